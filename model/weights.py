@@ -1,0 +1,190 @@
+"""The weight pytree, declared once abstractly.
+
+``abstract_weights(config)`` returns the tree with a :class:`ParamSpec` at every leaf (shape,
+logical axes, initializer). Everything else is derived from it: random init, the
+``jax.ShapeDtypeStruct`` restore target, the shardings and the converter's shape checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from dayzero.model.config import ModelConfig
+
+
+class Init(enum.Enum):
+    """How a parameter is initialised for random (test) models."""
+
+    NORMAL = "normal"
+    ONES = "ones"
+    ZEROS = "zeros"
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """Abstract parameter: shape, logical axis names (one per dim) and initializer.
+
+    Deliberately not a pytree node, so ``jax.tree.map`` treats it as a leaf.
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    init: Init = Init.NORMAL
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+
+
+@struct.dataclass
+class AttentionWeights:
+    """Projections in head-split form: q [D,N,H], k/v [D,K,H], o [N,H,D]."""
+
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    q_bias: Any = None  # [N,H]
+    k_bias: Any = None  # [K,H]
+    v_bias: Any = None  # [K,H]
+    o_bias: Any = None  # [D]
+    q_norm: Any = None  # [H] (Qwen3)
+    k_norm: Any = None  # [H] (Qwen3)
+
+
+@struct.dataclass
+class MLPWeights:
+    """SwiGLU MLP: gate/up [D,F], down [F,D]."""
+
+    gate: Any
+    up: Any
+    down: Any
+
+
+@struct.dataclass
+class LayerWeights:
+    """One decoder layer: pre-norm attention then pre-norm MLP."""
+
+    attn_norm: Any
+    attn: AttentionWeights
+    mlp_norm: Any
+    mlp: MLPWeights
+
+
+@struct.dataclass
+class Weights:
+    """The whole model. ``lm_head`` is None when the output projection is tied to ``embed``."""
+
+    embed: Any  # [V,D]
+    layers: tuple[LayerWeights, ...]
+    final_norm: Any  # [D]
+    lm_head: Any = None  # [D,V]
+
+
+def _attention_specs(c: ModelConfig) -> AttentionWeights:
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    bias = lambda *shape_axes: ParamSpec(*shape_axes, init=Init.ZEROS)  # noqa: E731
+    return AttentionWeights(
+        q=ParamSpec((D, N, H), ("embed", "q_heads", "head_dim")),
+        k=ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        v=ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        o=ParamSpec((N, H, D), ("q_heads", "head_dim", "embed")),
+        q_bias=bias((N, H), ("q_heads", "head_dim")) if c.qkv_bias else None,
+        k_bias=bias((K, H), ("kv_heads", "head_dim")) if c.qkv_bias else None,
+        v_bias=bias((K, H), ("kv_heads", "head_dim")) if c.qkv_bias else None,
+        o_bias=bias((D,), ("embed",)) if c.o_bias else None,
+        q_norm=ParamSpec((H,), ("head_dim",), Init.ONES) if c.qk_norm else None,
+        k_norm=ParamSpec((H,), ("head_dim",), Init.ONES) if c.qk_norm else None,
+    )
+
+
+def _layer_specs(c: ModelConfig) -> LayerWeights:
+    D, F = c.hidden_size, c.intermediate_size
+    return LayerWeights(
+        attn_norm=ParamSpec((D,), ("embed",), Init.ONES),
+        attn=_attention_specs(c),
+        mlp_norm=ParamSpec((D,), ("embed",), Init.ONES),
+        mlp=MLPWeights(
+            gate=ParamSpec((D, F), ("embed", "ffw")),
+            up=ParamSpec((D, F), ("embed", "ffw")),
+            down=ParamSpec((F, D), ("ffw", "embed")),
+        ),
+    )
+
+
+def abstract_weights(config: ModelConfig) -> Weights:
+    """The weight tree with a :class:`ParamSpec` at every leaf."""
+    D, V = config.hidden_size, config.vocab_size
+    return Weights(
+        embed=ParamSpec((V, D), ("vocab", "embed")),
+        layers=tuple(_layer_specs(config) for _ in range(config.num_layers)),
+        final_norm=ParamSpec((D,), ("embed",), Init.ONES),
+        lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
+    )
+
+
+def is_spec(x: Any) -> bool:
+    """``is_leaf`` predicate for trees of :class:`ParamSpec`."""
+    return isinstance(x, ParamSpec)
+
+
+def map_specs(fn: Callable[[ParamSpec], Any], specs: Any) -> Any:
+    """``jax.tree.map`` over a spec tree, treating each :class:`ParamSpec` as a leaf."""
+    return jax.tree.map(fn, specs, is_leaf=is_spec)
+
+
+def leaf_path(key_path: tuple) -> str:
+    """A stable, human-readable name for a leaf, e.g. ``layers/3/attn/q``."""
+    parts = []
+    for key in key_path:
+        if isinstance(key, jax.tree_util.SequenceKey):
+            parts.append(str(key.idx))
+        elif isinstance(key, jax.tree_util.GetAttrKey):
+            parts.append(key.name)
+        elif isinstance(key, jax.tree_util.DictKey):
+            parts.append(str(key.key))
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def named_leaves(tree: Any) -> dict[str, Any]:
+    """``{leaf_path: leaf}`` for a weight tree (values or specs)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_spec)
+    return {leaf_path(path): leaf for path, leaf in flat}
+
+
+def shape_structs(specs: Any, dtype: Any, shardings: Any = None) -> Any:
+    """``jax.ShapeDtypeStruct`` leaves (with shardings if given), e.g. as an Orbax restore target."""
+    if shardings is None:
+        return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs)
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), specs, shardings, is_leaf=is_spec
+    )
+
+
+def init_weights(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: float = 0.02) -> Any:
+    """Random weights for tests and benchmarks: N(0, scale) matrices, ones for norms, zero biases."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+
+    def make(spec: ParamSpec, k: jax.Array) -> jax.Array:
+        if spec.init is Init.ONES:
+            return jnp.ones(spec.shape, dtype)
+        if spec.init is Init.ZEROS:
+            return jnp.zeros(spec.shape, dtype)
+        return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+
+
+def parameter_count(specs: Any) -> int:
+    """Total number of parameters in a spec tree."""
+    return int(sum(np.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec)))
