@@ -1,0 +1,192 @@
+"""The ``dayzero`` command line: convert, generate, bench (contract in DESIGN.md).
+
+A user's mistake ends with one sentence on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from dayzero.sharding.distributed import MeshError, ProcessGroup, initialize, parse_mesh
+
+KERNEL_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean bad input, not a bug (imported lazily: jax is slow to import)."""
+    from dayzero.convert import ConvertError
+    from dayzero.engine.default_model import DefaultModelError
+    from dayzero.engine.generate import GenerationError
+    from dayzero.engine.sampling import SamplingError
+    from dayzero.engine.tokenizer import TokenizerError
+    from dayzero.model.config import ConfigError
+
+    return (ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError)
+
+
+class CommandError(ValueError):
+    """A bad combination of command-line options."""
+
+
+def _add_process_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("multi-host")
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 in a multi-host run")
+    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the run")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process's index in [0, N)")
+
+
+def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mesh", metavar="AXIS=N,...", help="device mesh, axes data/tensor/expert (e.g. tensor=4)")
+
+
+def _check_mesh(text: str | None) -> None:
+    axes = parse_mesh(text)
+    if any(size > 1 for size in axes.values()):
+        raise MeshError(
+            f"--mesh {text} asks for a multi-device mesh, which this version cannot shard yet; "
+            "run on one device (omit --mesh)"
+        )
+
+
+def _check_kernels(choice: str) -> None:
+    if choice in ("pallas", "pallas_interpret"):
+        raise CommandError(
+            f"--kernels {choice} is not available yet: this version has only the reference "
+            "attention; use --kernels auto or --kernels reference"
+        )
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise CommandError(f"--prompt-ids {text!r} is not a comma-separated list of integers, e.g. 1,2,3") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every sub-command."""
+    parser = argparse.ArgumentParser(prog="dayzero", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="convert an HF directory, PyTorch state dict or GGUF file")
+    c.add_argument("src", help="HF model directory, .bin/.pt/.pth state dict, or .gguf file")
+    c.add_argument("dst", help="new directory to create")
+    c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="storage dtype (default: the source's)")
+    c.add_argument("--quantize", help="weight quantization (not available yet)")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_mesh_arg(c)
+    _add_process_args(c)
+
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--model", help="converted model directory (default: embedded SmolLM2-135M-Instruct)")
+    prompt = g.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--logprobs", action="store_true", help="with --json, add each token's log-probability")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
+    _add_mesh_arg(g)
+    _add_process_args(g)
+
+    b = sub.add_parser("bench", help="measure time to first token, prefill and decode speed, memory")
+    b.add_argument("--model", help="converted model directory (default: embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--prompt-len", type=int, default=512)
+    b.add_argument("--new-tokens", type=int, default=64)
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--repeats", type=int, default=3, help="timed repetitions (the best is reported)")
+    b.add_argument("--vs-hf", nargs="?", const="auto", metavar="SRC",
+                   help="also run HF transformers (fp32, CPU) on SRC (default: the embedded GGUF) and print ratios")
+    b.add_argument("--json", action="store_true")
+    _add_mesh_arg(b)
+    _add_process_args(b)
+    return parser
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """``dayzero convert``."""
+    from dayzero.convert import convert_checkpoint
+
+    _check_mesh(args.mesh)
+    if args.quantize:
+        raise CommandError(f"--quantize {args.quantize} is not available yet; convert without --quantize")
+    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress)
+    print(f"converted {args.src} -> {dst}", file=sys.stderr)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """``dayzero generate``."""
+    from dayzero.engine.generate import Engine
+    from dayzero.engine.sampling import SamplingParams
+
+    _check_mesh(args.mesh)
+    _check_kernels(args.kernels)
+    if args.logprobs and not args.json:
+        raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
+    engine = Engine.load(args.model)
+    stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
+    result = engine.generate(
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        chat=args.chat,
+        logprobs=args.logprobs,
+        on_text=stream,
+    )
+    if args.json:
+        out = result.to_json()
+        out["kernels"] = "reference"
+        print(json.dumps(out))
+    else:
+        print()
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """``dayzero bench``."""
+    from dayzero.engine.bench import run_bench
+
+    _check_mesh(args.mesh)
+    return run_bench(args)
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "convert": cmd_convert,
+    "generate": cmd_generate,
+    "bench": cmd_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``dayzero`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        initialize(ProcessGroup(args.coordinator, args.num_processes, args.process_id))
+        return COMMANDS[args.command](args)
+    except (CommandError, MeshError) as e:
+        print(f"dayzero: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dayzero: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - user errors are reported, bugs re-raised
+        if isinstance(e, _user_errors()):
+            print(f"dayzero: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

