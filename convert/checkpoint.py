@@ -1,0 +1,259 @@
+"""The converted checkpoint on disk: Orbax groups, manifest, loading and verification.
+
+Layout of a converted checkpoint ``DST``::
+
+    config.json           dayzero's parsed ModelConfig (ModelConfig.to_json())
+    hf_config.json        the source config dict as given (built from metadata for GGUF)
+    tokenizer.json ...    tokenizer and generation files carried over from the source
+    weights/globals/      Orbax StandardCheckpointer: embed, final_norm, lm_head (untied only)
+    weights/layer_000/    one Orbax checkpoint per decoder layer, keys as in LayerWeights
+    ...
+    manifest.json         written last: versions, source files with sha256, per-leaf checksums
+
+One checkpoint per layer is what keeps conversion streaming (one layer's arrays in memory at a
+time) and lets a loader restore group by group.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import importlib.metadata
+import json
+import logging
+from pathlib import Path
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.convert.errors import ConvertError
+from dayzero.convert.name_map import group_of, key_in_group
+from dayzero.model.config import ModelConfig
+from dayzero.model.weights import Weights, abstract_weights, is_spec, leaf_path, named_leaves, shape_structs
+
+FORMAT = "dayzero-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def dayzero_version() -> str:
+    """The installed dayzero version (recorded in every manifest)."""
+    try:
+        return importlib.metadata.version("dayzero")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def array_sha256(x: np.ndarray) -> str:
+    """sha256 of an array's bytes in C order (its stored representation)."""
+    # Viewed as raw bytes: the buffer protocol does not know ml_dtypes' bfloat16.
+    return hashlib.sha256(np.ascontiguousarray(x).reshape(-1).view(np.uint8)).hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    """sha256 of a file, read in chunks so memory stays flat."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def nest(flat: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    """``{("attn", "q"): x}`` -> ``{"attn": {"q": x}}`` (Orbax trees are nested dicts)."""
+    tree: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = tree
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _lookup(tree: dict[str, Any], path: tuple[str, ...]) -> Any:
+    for part in path:
+        tree = tree[part]
+    return tree
+
+
+# Chunks of at most this many bytes: tensorstore encodes and writes one chunk at a time, so
+# its buffers stay small instead of one compressed copy of each whole array.
+CHUNK_BYTES = 16 * 2**20
+
+
+class _DropOcdbtMergeNotice(logging.Filter):
+    """Orbax logs a warning per save that it found no OCDBT data to merge; we use none on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT" not in record.getMessage()
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them in its arenas otherwise)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
+
+
+class GroupWriter:
+    """Saves one group at a time with Orbax, synchronously, holding no copy of it.
+
+    Orbax's default (``StandardCheckpointer``) deep-copies host arrays before its asynchronous
+    write and, with OCDBT, buffers the encoded data until commit: together about three times a
+    group. We write the same PyTree format (``StandardCheckpointer`` restores it) with a
+    synchronous ``Checkpointer``, no deep copy (nothing mutates the arrays while we wait), plain
+    zarr instead of OCDBT, and bounded chunks -- the peak stays near one group.
+    """
+
+    def __init__(self, root: Path):
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint import type_handlers
+
+        self._ocp = ocp
+        self.root = root / "weights"
+        self.root.mkdir(parents=True)
+        registry = type_handlers.create_type_handler_registry(
+            (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
+            (jax.Array, type_handlers.ArrayHandler()),
+        )
+        handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry)
+        self._ckpt = ocp.Checkpointer(handler)
+
+    def save(self, group: str, arrays: dict[tuple[str, ...], np.ndarray]) -> None:
+        """Write ``arrays`` (keyed by their path inside the group) as ``weights/<group>``."""
+        tree = nest(arrays)
+        save_args = jax.tree.map(lambda _: self._ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
+        notice = _DropOcdbtMergeNotice()
+        logging.getLogger("absl").addFilter(notice)
+        try:
+            self._ckpt.save(self.root / group, args=self._ocp.args.PyTreeSave(tree, save_args=save_args))
+        finally:
+            logging.getLogger("absl").removeFilter(notice)
+        _release_freed_memory()
+
+    def close(self) -> None:
+        """Release Orbax's resources."""
+        self._ckpt.close()
+
+
+def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
+    """Write ``manifest.json``; its presence marks a complete checkpoint."""
+    body = {"format": FORMAT, "format_version": FORMAT_VERSION, "dayzero_version": dayzero_version(), **manifest}
+    (root / MANIFEST).write_text(json.dumps(body, indent=1))
+
+
+def read_manifest(root: str | Path) -> dict[str, Any]:
+    """The manifest of a converted checkpoint, or a clear error if ``root`` is not one."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConvertError(f"{root} is not a directory; pass a directory made by 'dayzero convert'")
+    try:
+        manifest = json.loads((root / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise ConvertError(
+            f"{root} has no {MANIFEST}, so it is not a complete dayzero checkpoint; convert the model again"
+        ) from None
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"{root / MANIFEST} is not valid JSON ({e}); convert the model again") from None
+    if manifest.get("format") != FORMAT:
+        raise ConvertError(f"{root} is not a dayzero checkpoint (manifest format {manifest.get('format')!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ConvertError(
+            f"{root} has checkpoint format version {manifest.get('format_version')}, this dayzero reads "
+            f"{FORMAT_VERSION}; convert the model again"
+        )
+    return manifest
+
+
+def _read_config(root: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_json(json.loads((root / "config.json").read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConvertError(f"{root / 'config.json'} is missing or unreadable ({e}); convert the model again") from None
+
+
+def _checked_groups(root: Path, manifest: dict[str, Any], specs: Any) -> dict[str, dict[tuple[str, ...], str]]:
+    """``{group: {key: leaf}}`` after checking the manifest against the config's weight tree."""
+    declared = named_leaves(specs)
+    tensors = manifest.get("tensors", {})
+    if set(tensors) != set(declared):
+        diff = sorted(set(tensors) ^ set(declared))
+        raise ConvertError(f"{root} does not match its config (tensor '{diff[0]}' differs); convert the model again")
+    groups: dict[str, dict[tuple[str, ...], str]] = {}
+    for leaf, spec in declared.items():
+        if tuple(tensors[leaf]["shape"]) != spec.shape:
+            raise ConvertError(
+                f"tensor '{leaf}' in {root} has shape {tensors[leaf]['shape']}, the config needs "
+                f"{list(spec.shape)}; convert the model again"
+            )
+        groups.setdefault(group_of(leaf), {})[key_in_group(leaf)] = leaf
+    for group in groups:
+        if not (root / "weights" / group / "_CHECKPOINT_METADATA").is_file():
+            raise ConvertError(f"{root} is incomplete: weights/{group} is missing; convert the model again")
+    return groups
+
+
+def _restore_groups(root: Path, groups: dict[str, dict[tuple[str, ...], str]],
+                    targets: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Restore each group into its targets; yield ``(group, {leaf: array})``."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckpt:
+        for group, keys in groups.items():
+            target = nest({key: targets[leaf] for key, leaf in keys.items()})
+            try:
+                restored = ckpt.restore(root / "weights" / group, target)
+            except Exception as e:  # noqa: BLE001 - tensorstore/orbax raise many error types
+                raise ConvertError(
+                    f"cannot read weights/{group} of {root} ({str(e).splitlines()[0]}); it is corrupt, convert again"
+                ) from None
+            yield group, {leaf: _lookup(restored, key) for key, leaf in keys.items()}
+
+
+def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = None) -> tuple[ModelConfig, Weights]:
+    """Load a converted checkpoint as ``(config, weights)``.
+
+    Every leaf is restored by Orbax straight into ``dtype`` (the one conversion, done at load and
+    never inside jit) and placed with ``shardings`` -- a pytree matching the weight tree with a
+    ``jax.sharding.Sharding`` per leaf -- or on the default device when None.
+    """
+    root = Path(dst)
+    manifest = read_manifest(root)
+    config = _read_config(root)
+    specs = abstract_weights(config)
+    groups = _checked_groups(root, manifest, specs)
+    if shardings is None:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
+    targets = named_leaves(shape_structs(specs, dtype, shardings))
+    arrays: dict[str, Any] = {}
+    for _, restored in _restore_groups(root, groups, targets):
+        arrays.update(restored)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+    return config, jax.tree.unflatten(treedef, [arrays[leaf_path(path)] for path, _ in flat])
+
+
+def verify_checkpoint(dst: str | Path) -> int:
+    """Recompute every leaf's checksum against the manifest; return the number of leaves checked.
+
+    Raises :class:`ConvertError` naming the first tensor whose stored bytes, shape or dtype differ.
+    """
+    root = Path(dst)
+    manifest = read_manifest(root)
+    specs = abstract_weights(_read_config(root))
+    groups = _checked_groups(root, manifest, specs)
+    stored = jnp.dtype(manifest["dtype"])
+    # Restore in the stored dtype on the host so the bytes hashed are the bytes written.
+    targets = named_leaves(shape_structs(specs, stored))
+    checked = 0
+    for _, restored in _restore_groups(root, groups, targets):
+        for leaf, value in restored.items():
+            value = np.asarray(value)
+            entry = manifest["tensors"][leaf]
+            if str(value.dtype) != entry["dtype"] or array_sha256(value) != entry["sha256"]:
+                raise ConvertError(f"tensor '{leaf}' in {root} does not match its manifest checksum; convert again")
+            checked += 1
+    return checked

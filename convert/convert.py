@@ -1,0 +1,170 @@
+"""The streaming conversion loop: source checkpoint -> dayzero checkpoint directory.
+
+Target-driven: for each group (globals, then one per layer), for each leaf, read its one source
+tensor, check its shape before touching the values, transform, cast to the storage dtype, check
+it is finite, and add it to the group; save the group with Orbax and drop it. Peak memory is
+about the largest group plus the largest source tensor, never the whole model.
+
+Everything is written into ``DST.tmp-<random>`` next to DST and renamed into place only after
+the manifest (written last) is on disk; any error or interrupt removes the temporary directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from dayzero.convert.checkpoint import GroupWriter, array_sha256, file_sha256, write_manifest
+from dayzero.convert.errors import ConvertError
+from dayzero.convert.name_map import Recipe, check_shape, check_targets, group_of, key_in_group, plan
+from dayzero.convert.sources import Source, open_source
+from dayzero.model.config import ConfigError, ModelConfig, parse_hf_config
+from dayzero.model.weights import abstract_weights, named_leaves
+
+STORAGE_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+}
+_HALF = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
+
+
+def storage_dtype(requested: str | None, source: Source, recipes: tuple[Recipe, ...]) -> np.dtype:
+    """The one dtype every leaf is stored in.
+
+    ``None`` keeps the source's precision without loss: a checkpoint that is all bfloat16 (or all
+    float16) stays so; GGUF (dequantized), float32 and mixed sources are stored as float32.
+    """
+    if requested is not None:
+        if requested not in STORAGE_DTYPES:
+            raise ConvertError(f"dtype {requested!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
+        return STORAGE_DTYPES[requested]
+    dtypes = {np.dtype(source.reader.dtype(r.source)) for r in recipes}
+    if len(dtypes) == 1 and dtypes <= set(_HALF):
+        return dtypes.pop()
+    return STORAGE_DTYPES["float32"]
+
+
+def _check_floating(source: Source, recipes: tuple[Recipe, ...]) -> None:
+    for r in recipes:
+        dtype = np.dtype(source.reader.dtype(r.source))
+        if dtype.kind != "f" and dtype not in _HALF:
+            raise ConvertError(
+                f"tensor '{r.source}' in {source.path} has dtype {dtype}; quantized or integer weights "
+                "are not supported, convert an unquantized checkpoint"
+            )
+
+
+def _make_leaf(recipe: Recipe, source: Source, storage: np.dtype, expected: tuple[int, ...]) -> np.ndarray:
+    """Read, check, transform and cast one leaf."""
+    where = str(source.path)
+    x = source.reader.get(recipe.source)
+    check_shape(recipe, x.shape, where)
+    with np.errstate(over="ignore"):  # an overflowing cast is reported just below, by name
+        y = np.ascontiguousarray(recipe.apply(x), dtype=storage)
+    if y.shape != expected:
+        raise AssertionError(f"recipe for {recipe.target} produced {y.shape}, the weight tree needs {expected}")
+    if not np.isfinite(y).all():
+        cause = "overflows " + str(storage) if np.isfinite(x).all() else "contains NaN or Inf values"
+        raise ConvertError(f"tensor '{recipe.source}' in {where} {cause}; the checkpoint cannot be used as is")
+    return y
+
+
+def _groups(recipes: tuple[Recipe, ...]) -> dict[str, list[Recipe]]:
+    groups: dict[str, list[Recipe]] = {}
+    for r in recipes:
+        groups.setdefault(group_of(r.target), []).append(r)
+    return dict(sorted(groups.items(), key=lambda kv: kv[0] != "globals"))
+
+
+def _write_weights(tmp: Path, source: Source, config: ModelConfig, recipes: tuple[Recipe, ...],
+                   storage: np.dtype, progress: bool) -> dict[str, Any]:
+    """Stream every group into ``tmp/weights``; return the per-leaf manifest entries."""
+    specs = named_leaves(abstract_weights(config))
+    entries: dict[str, Any] = {}
+    writer = GroupWriter(tmp)
+    bar = tqdm(total=len(recipes), unit="tensor", file=sys.stderr, disable=not progress, desc="converting")
+    try:
+        for group, members in _groups(recipes).items():
+            bar.set_postfix_str(group)
+            arrays = {}
+            for r in members:
+                y = _make_leaf(r, source, storage, specs[r.target].shape)
+                arrays[key_in_group(r.target)] = y
+                entries[r.target] = {"group": group, "shape": list(y.shape), "dtype": str(y.dtype),
+                                     "sha256": array_sha256(y), "source": r.source}
+                bar.update()
+            writer.save(group, arrays)
+            del arrays, y  # the group is on disk; let it go before reading the next one
+    finally:
+        bar.close()
+        writer.close()
+    return entries
+
+
+def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool) -> None:
+    where = str(source.path)
+    try:
+        config = parse_hf_config(source.hf_config)
+    except ConfigError as e:
+        raise ConvertError(f"{where}: {e}") from e
+    name_map = source.name_map(config)
+    check_targets(name_map.recipes, config)
+    recipes = plan(name_map, source.reader.keys(), source.reader.shape, where)
+    _check_floating(source, recipes)
+    storage = storage_dtype(dtype, source, recipes)
+    tmp.mkdir()
+    (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=1))
+    (tmp / "hf_config.json").write_text(json.dumps(source.hf_config, indent=1))
+    tokenizer_files = source.export_tokenizer(tmp)
+    entries = _write_weights(tmp, source, config, recipes, storage, progress)
+    write_manifest(tmp, {
+        "dtype": str(storage),
+        "source": {
+            "format": source.format,
+            "path": str(source.path),
+            "files": [{"name": p.name, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
+                      for p in source.reader.files],
+        },
+        "config": config.to_json(),
+        "tokenizer_files": tokenizer_files,
+        "groups": sorted({e["group"] for e in entries.values()}),
+        "tensors": entries,
+    })
+
+
+def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None,
+                       progress: bool = True) -> Path:
+    """Convert a source checkpoint into a new dayzero checkpoint directory; return its path.
+
+    ``src``: an HF model directory (config.json + safetensors or pytorch_model.bin, sharded or
+    not), a PyTorch state-dict file (.bin/.pt/.pth, with config.json beside it) or a .gguf file.
+    ``dst``: a directory that must not exist yet. ``dtype``: storage dtype, one of "float32",
+    "bfloat16", "float16", or None to keep the source precision (see :func:`storage_dtype`).
+    ``progress``: show a progress bar on stderr. Raises :class:`ConvertError` (leaving no DST
+    behind) for any problem with the inputs.
+    """
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise ConvertError(f"destination {dst} already exists; choose a new directory or remove it first")
+    source = open_source(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f"{dst.name}.tmp-{secrets.token_hex(4)}"
+    try:
+        _convert_into(tmp, source, dtype, progress)
+        if dst.exists():
+            raise ConvertError(f"destination {dst} appeared during conversion; remove it and convert again")
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst

@@ -1,0 +1,287 @@
+"""Readers for source checkpoints, all behind one small interface.
+
+A reader has ``keys()``, ``shape(name)``, ``dtype(name)`` and ``get(name) -> np.ndarray`` and
+hands out one tensor at a time, so the streaming loop in :mod:`dayzero.convert.convert` holds no
+more than the tensor it is working on. ``shape`` is always in PyTorch layout ([out, in] for linear
+weights) so one name map shape check serves every format.
+
+Safetensors are read with our own header parse and ``np.fromfile`` rather than
+``safe_open(framework="numpy")`` -- numpy's safetensors path rejects bfloat16, and the "pt" path
+needs torch (not a dependency of dayzero) and an upcast. ``ml_dtypes.bfloat16`` (which JAX
+already depends on) reads the bytes exactly. ``fromfile`` copies each tensor into private memory
+that is freed with it; a memory map kept open for the whole file would leave every page read
+resident in the process until the end. ``safe_open`` still validates each file when opened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+from pathlib import Path
+from typing import Any, Iterable, Protocol
+
+import ml_dtypes
+import numpy as np
+
+from dayzero.convert.errors import ConvertError
+
+
+class TensorReader(Protocol):
+    """What the streaming loop needs from a source: names, shapes and one tensor at a time."""
+
+    files: list[Path]
+
+    def keys(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def dtype(self, name: str) -> np.dtype: ...
+
+    def get(self, name: str) -> np.ndarray: ...
+
+
+# --- safetensors -------------------------------------------------------------------------------
+
+_ST_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+}
+_MAX_HEADER = 100 * 2**20  # the format's own limit; a larger length means a corrupt file
+
+
+def _corrupt(path: Path, what: str) -> ConvertError:
+    return ConvertError(f"{path} is truncated or corrupt ({what}); re-download or re-export it")
+
+
+def _parse_safetensors_header(path: Path) -> tuple[int, dict[str, tuple[np.dtype, tuple[int, ...], int]]]:
+    """``(data_start, {name: (dtype, shape, begin)})``, validating offsets against the file size."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise _corrupt(path, "shorter than a safetensors header")
+        n = int.from_bytes(raw, "little")
+        if n > min(size - 8, _MAX_HEADER):
+            raise _corrupt(path, f"header length {n} exceeds the file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _corrupt(path, f"header is not JSON: {e}") from None
+    header.pop("__metadata__", None)
+    start, entries = 8 + n, {}
+    for name, info in header.items():
+        if info.get("dtype") not in _ST_DTYPES:
+            raise ConvertError(f"tensor '{name}' in {path} has dtype {info.get('dtype')!r}, which dayzero cannot read")
+        dtype = np.dtype(_ST_DTYPES[info["dtype"]])
+        shape = tuple(int(d) for d in info["shape"])
+        begin, end = (int(o) for o in info["data_offsets"])
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise _corrupt(path, f"tensor '{name}' spans {end - begin} bytes for shape {list(shape)}")
+        if start + end > size:
+            raise _corrupt(path, f"data of tensor '{name}' ends past the end of the file")
+        entries[name] = (dtype, shape, start + begin)
+    return start, entries
+
+
+class SafetensorsReader:
+    """One ``.safetensors`` file."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.files = [self.path]
+        _, self._entries = _parse_safetensors_header(self.path)
+        self._validate_with_safetensors()
+
+    def _validate_with_safetensors(self) -> None:
+        # The reference parser catches anything our header checks missed (overlaps, gaps).
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.path), framework="numpy"):
+                pass
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own untyped errors
+            raise _corrupt(self.path, str(e)) from None
+
+    def keys(self) -> list[str]:
+        """Tensor names in the file."""
+        return list(self._entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape as stored."""
+        return self._entries[name][1]
+
+    def dtype(self, name: str) -> np.dtype:
+        """Element type as stored (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        return self._entries[name][0]
+
+    def get(self, name: str) -> np.ndarray:
+        """A private copy of one tensor, read straight from the file."""
+        dtype, shape, offset = self._entries[name]
+        count = math.prod(shape)
+        data = np.fromfile(self.path, dtype=dtype, count=count, offset=offset)
+        if data.size != count:
+            raise _corrupt(self.path, f"data of tensor '{name}' is cut short")
+        return data.reshape(shape)
+
+
+# --- PyTorch state dicts -----------------------------------------------------------------------
+
+
+class TorchReader:
+    """A ``torch.save``'d state dict, memory-mapped so tensors are paged in only when read."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.files = [self.path]
+        try:
+            import torch
+        except ImportError:
+            raise ConvertError(f"reading {path} needs PyTorch; install torch or convert a safetensors copy") from None
+        self._torch = torch
+        try:
+            state = torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
+        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, EOFError, ...
+            raise ConvertError(
+                f"{path} is not a readable PyTorch checkpoint ({str(e).splitlines()[0]}); "
+                "it may be truncated, corrupt or in the pre-1.6 format - re-save it with torch.save"
+            ) from None
+        bad = [k for k, v in state.items() if not isinstance(v, torch.Tensor)] if isinstance(state, dict) else None
+        if bad is None or bad:
+            raise ConvertError(
+                f"{path} is not a flat state dict of tensors (found {type(state).__name__}"
+                f"{f' with non-tensor entry {bad[0]!r}' if bad else ''}); save model.state_dict() instead"
+            )
+        self._state = state
+
+    def keys(self) -> list[str]:
+        """Tensor names in the state dict."""
+        return list(self._state)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape as stored."""
+        return tuple(self._state[name].shape)
+
+    def dtype(self, name: str) -> np.dtype:
+        """Element type (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        t = self._state[name]
+        if t.dtype == self._torch.bfloat16:
+            return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(str(t.dtype).removeprefix("torch."))
+
+    def get(self, name: str) -> np.ndarray:
+        """A numpy view of one tensor (bfloat16 reinterpreted bit for bit, no upcast)."""
+        t = self._state[name]
+        if t.dtype == self._torch.bfloat16:
+            return t.view(self._torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+
+# --- several files as one ------------------------------------------------------------------------
+
+
+class ShardedReader:
+    """Several shard readers behind one name space (sharded HF checkpoints)."""
+
+    def __init__(self, readers: Iterable[Any], index: dict[str, str] | None = None, where: str = ""):
+        self._owner: dict[str, Any] = {}
+        self.files: list[Path] = []
+        for reader in readers:
+            self.files += reader.files
+            for name in reader.keys():
+                if name in self._owner:
+                    raise ConvertError(f"tensor '{name}' appears in two shards of {where}; the checkpoint is inconsistent")
+                self._owner[name] = reader
+        for name, file in (index or {}).items():
+            owner = self._owner.get(name)
+            if owner is None or owner.files[0].name != file:
+                raise ConvertError(
+                    f"the index of {where} puts tensor '{name}' in {file}, which does not hold it; "
+                    "the checkpoint is incomplete or corrupt"
+                )
+
+    def keys(self) -> list[str]:
+        """All tensor names across the shards."""
+        return list(self._owner)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape as stored."""
+        return self._owner[name].shape(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        """Element type as stored."""
+        return self._owner[name].dtype(name)
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor from whichever shard holds it."""
+        return self._owner[name].get(name)
+
+
+# --- GGUF ----------------------------------------------------------------------------------------
+
+
+class GGUFTensorReader:
+    """A llama.cpp ``.gguf`` file; every tensor is dequantized to float32 when read."""
+
+    def __init__(self, path: Path):
+        import gguf
+
+        self.path = Path(path)
+        self.files = [self.path]
+        self._gguf = gguf
+        try:
+            self.file = gguf.GGUFReader(self.path)
+        except Exception as e:  # noqa: BLE001 - GGUFReader raises ValueError, struct errors, ...
+            raise ConvertError(f"{path} is not a valid GGUF file ({e}); it may be truncated or corrupt") from None
+        size = self.path.stat().st_size
+        self._tensors = {}
+        for t in self.file.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise _corrupt(self.path, f"data of tensor '{t.name}' ends past the end of the file")
+            self._tensors[t.name] = t
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """A metadata value (strings decoded, arrays as lists)."""
+        field = self.file.fields.get(key)
+        return default if field is None else field.contents()
+
+    def metadata_keys(self) -> list[str]:
+        """All metadata keys."""
+        return list(self.file.fields)
+
+    def keys(self) -> list[str]:
+        """Tensor names in the file."""
+        return list(self._tensors)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape in PyTorch order ([out, in]): GGUF lists dimensions innermost first."""
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+
+    def dtype(self, name: str) -> np.dtype:
+        """Always float32: quantized and half tensors are dequantized on read."""
+        return np.dtype(np.float32)
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor dequantized to float32, in PyTorch layout."""
+        t = self._tensors[name]
+        try:
+            data = self._gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise ConvertError(
+                f"tensor '{name}' in {self.path} uses quantization {t.tensor_type.name}, which the gguf "
+                "package cannot dequantize; use a file with another quantization"
+            ) from None
+        out = np.array(data, dtype=np.float32, copy=True).reshape(self.shape(name))
+        self._drop_mapped_pages()
+        return out
+
+    def _drop_mapped_pages(self) -> None:
+        # GGUFReader maps the whole file; pages it has read would otherwise stay resident in this
+        # process until the end, growing RSS to the file size. They remain in the page cache.
+        mapping = getattr(self.file.data, "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            try:
+                mapping.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass

@@ -1,0 +1,160 @@
+"""Carry the tokenizer over into a converted checkpoint.
+
+From an HF directory the tokenizer files are copied as they are. A GGUF file has no
+``tokenizer.json``: llama.cpp stores the vocabulary, merges, token types and special ids as
+metadata, and names the pre-tokenizer (``tokenizer.ggml.pre``) after the model family. We rebuild
+a ``tokenizers.Tokenizer`` from that, splitting text the way llama.cpp does for that family.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from dayzero.convert.errors import ConvertError
+
+HF_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "generation_config.json", "chat_template.jinja",
+)
+
+# llama.cpp token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are
+# matched whole in the text but are ordinary text when decoded (e.g. ``<think>``).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# The Llama-3 / cl100k split: contractions, letters with one leading non-letter, numbers in runs
+# of at most three digits, punctuation runs, newlines, other whitespace.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    # Byte-level with GPT-2's own split regex; no space is prepended to the text.
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
+    # llama.cpp's regex list for these families is ["\p{N}", <gpt-2 regex>]: every digit is its own
+    # piece, then GPT-2's split. SmolLM2's own tokenizer.json says the same with Digits + ByteLevel.
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), _gpt2()]
+    )
+
+
+def _llama3() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+# tokenizer.ggml.pre -> pre-tokenizer (byte-level BPE vocabularies only).
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "gpt-2": _gpt2,
+    "smollm": _digits_then_gpt2,
+    "starcoder": _digits_then_gpt2,
+    "refact": _digits_then_gpt2,
+    "llama-bpe": _llama3,
+}
+
+
+def copy_hf_tokenizer(src_dir: Path, dst: Path) -> list[str]:
+    """Copy the tokenizer and generation files an HF directory has; return their names."""
+    copied = []
+    for name in HF_TOKENIZER_FILES:
+        if (src_dir / name).is_file():
+            shutil.copyfile(src_dir / name, dst / name)
+            copied.append(name)
+    return copied
+
+
+def _byte_level_bpe(meta: Callable[[str], Any]) -> Tokenizer:
+    """The BPE model, pre-tokenizer and decoder of a ``gpt2`` (byte-level BPE) vocabulary."""
+    pre = meta("tokenizer.ggml.pre") or "gpt-2"
+    if pre not in PRE_TOKENIZERS:
+        raise ConvertError(
+            f"GGUF tokenizer.ggml.pre={pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}"
+        )
+    tokens = meta("tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ")) for m in meta("tokenizer.ggml.merges") or ()]
+    if any(len(m) != 2 for m in merges):
+        raise ConvertError("GGUF tokenizer.ggml.merges has an entry that is not two tokens; the file is corrupt")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Register CONTROL tokens as special and USER_DEFINED ones as whole-matched added tokens."""
+    special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+    tok.add_special_tokens(special)
+    tok.add_tokens(user)
+
+
+def _post_processor(tokens: list[str], bos: int | None, eos: int | None, add_bos: bool, add_eos: bool):
+    """BOS/EOS insertion as the file asks (``tokenizer.ggml.add_bos_token`` / ``add_eos_token``)."""
+    single, pair, specials = "$A", "$A $B", []
+    for flag, idx, before in ((add_bos, bos, True), (add_eos, eos, False)):
+        if not flag:
+            continue
+        if idx is None:
+            raise ConvertError("GGUF asks to add a BOS/EOS token but gives no token id for it")
+        name = tokens[idx]
+        single = f"{name} {single}" if before else f"{single} {name}"
+        pair = f"{name} $A {name} $B" if before else f"{pair} {name}"
+        specials.append((name, idx))
+    if not specials:
+        return processors.ByteLevel(trim_offsets=False)
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
+
+
+def gguf_tokenizer(meta: Callable[[str], Any]) -> Tokenizer:
+    """A ``tokenizers.Tokenizer`` equivalent to the one a GGUF file describes.
+
+    ``meta(key)`` returns a metadata value or None. Only byte-level BPE (``tokenizer.ggml.model``
+    = ``gpt2``) is supported; anything else raises :class:`ConvertError`.
+    """
+    model = meta("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ConvertError(
+            f"GGUF tokenizer.ggml.model={model!r} is not supported (only 'gpt2', byte-level BPE); "
+            "convert the model's HF directory instead"
+        )
+    tokens = list(meta("tokenizer.ggml.tokens"))
+    tok = _byte_level_bpe(meta)
+    _add_special_tokens(tok, tokens, list(meta("tokenizer.ggml.token_type") or []))
+    tok.post_processor = _post_processor(
+        tokens, meta("tokenizer.ggml.bos_token_id"), meta("tokenizer.ggml.eos_token_id"),
+        bool(meta("tokenizer.ggml.add_bos_token")), bool(meta("tokenizer.ggml.add_eos_token")),
+    )
+    return tok
+
+
+def write_gguf_tokenizer(meta: Callable[[str], Any], dst: Path) -> list[str]:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json``."""
+    tok = gguf_tokenizer(meta)
+    tok.save(str(dst / "tokenizer.json"))
+    tokens = meta("tokenizer.ggml.tokens")
+    ids = {name: meta(f"tokenizer.ggml.{key}") for name, key in
+           (("bos", "bos_token_id"), ("eos", "eos_token_id"), ("unk", "unknown_token_id"), ("pad", "padding_token_id"))}
+    tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for name, idx in ids.items():
+        if idx is not None:
+            tok_config[f"{name}_token"] = tokens[idx]
+    tok_config["add_bos_token"] = bool(meta("tokenizer.ggml.add_bos_token"))
+    tok_config["add_eos_token"] = bool(meta("tokenizer.ggml.add_eos_token"))
+    if meta("tokenizer.chat_template"):
+        tok_config["chat_template"] = meta("tokenizer.chat_template")
+    gen_config = {f"{name}_token_id": int(idx) for name, idx in ids.items() if idx is not None and name != "unk"}
+    (dst / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2, ensure_ascii=False))
+    (dst / "generation_config.json").write_text(json.dumps(gen_config, indent=2))
+    return ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]

@@ -1,0 +1,56 @@
+"""Value transforms from source tensor layouts to dayzero's weight layouts.
+
+Kept apart from the name maps: a map says *which* source tensor feeds *which* leaf, these
+functions say *how* its values are rearranged. Each is a pure numpy function that returns views
+where it can; the streaming loop makes the one contiguous copy when it casts to the storage dtype.
+
+Source layouts: a PyTorch ``Linear`` weight is [out, in]; dayzero keeps the input dimension first
+(q [D,N,H], k/v [D,K,H], o [N,H,D], gate/up [D,F], down [F,D], lm_head [D,V]).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def identity(x: np.ndarray) -> np.ndarray:
+    """The tensor as stored (embeddings, norms, o bias)."""
+    return x
+
+
+def transpose(x: np.ndarray) -> np.ndarray:
+    """[out, in] -> [in, out] for plain linear layers (MLP projections, lm_head)."""
+    return x.T
+
+
+def split_heads_in(x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """q/k/v projection [heads*head_dim, D] -> [D, heads, head_dim]."""
+    return x.T.reshape(x.shape[1], heads, head_dim)
+
+
+def split_heads_out(x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """o projection [D, heads*head_dim] -> [heads, head_dim, D]."""
+    return x.T.reshape(heads, head_dim, x.shape[0])
+
+
+def split_bias(x: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """q/k/v bias [heads*head_dim] -> [heads, head_dim]."""
+    return x.reshape(heads, head_dim)
+
+
+def llama_cpp_unpermute(x: np.ndarray, heads: int) -> np.ndarray:
+    """Undo the row permutation llama.cpp applies to q and k weights of the llama architecture.
+
+    Within each head of ``head_dim`` rows, HF keeps the two rotary halves apart (rows
+    ``[0, H/2)`` pair with ``[H/2, H)``), while llama.cpp's rotary kernel wants each pair adjacent.
+    Its converter therefore views the rows as [heads, 2, H/2] and swaps the last two axes, so that
+    stored row ``2*j + s`` holds HF row ``s*H/2 + j``. The inverse views the stored rows as
+    [heads, H/2, 2] and swaps back. ``heads`` is the number of query heads for q and of key/value
+    heads for k.
+    """
+    rows = x.shape[0]
+    if rows % (2 * heads):
+        raise ValueError(f"{rows} rows cannot be split into {heads} heads of even size")
+    half = rows // heads // 2
+    return x.reshape(heads, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
+
