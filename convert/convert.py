@@ -142,6 +142,20 @@ def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool) 
     })
 
 
+def _move_into_place(tmp: Path, dst: Path) -> None:
+    """Rename the finished temporary directory to DST (atomic on one file system)."""
+    appeared = ConvertError(f"destination {dst} appeared during conversion; remove it and convert again")
+    if dst.exists():
+        raise appeared
+    try:
+        os.rename(tmp, dst)
+    except OSError:
+        # Another process (e.g. a concurrent first-use conversion) won the race to DST.
+        if dst.exists():
+            raise appeared from None
+        raise
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None,
                        progress: bool = True) -> Path:
     """Convert a source checkpoint into a new dayzero checkpoint directory; return its path.
@@ -161,9 +175,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     tmp = dst.parent / f"{dst.name}.tmp-{secrets.token_hex(4)}"
     try:
         _convert_into(tmp, source, dtype, progress)
-        if dst.exists():
-            raise ConvertError(f"destination {dst} appeared during conversion; remove it and convert again")
-        os.rename(tmp, dst)
+        _move_into_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

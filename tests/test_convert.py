@@ -391,6 +391,22 @@ def test_destination_exists(tmp_path, hf_parts):
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_destination_appearing_during_conversion(tmp_path, hf_parts, monkeypatch):
+    real_rename = os.rename
+
+    def racing_rename(src, dst):
+        if Path(dst) == tmp_path / "out":  # os.rename is global: Orbax renames its own files too
+            Path(dst).mkdir()  # another process finished its conversion first
+            (Path(dst) / "manifest.json").write_text("{}")
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", racing_rename)
+    with pytest.raises(ConvertError, match="appeared during conversion"):
+        convert(hf_parts[0], tmp_path / "out")
+    assert not list(tmp_path.glob("out.tmp-*"))
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["manifest.json"]
+
+
 def test_source_missing(tmp_path):
     assert_fails(tmp_path / "nope", tmp_path / "out", str(tmp_path / "nope"), "does not exist")
 
