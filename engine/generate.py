@@ -98,10 +98,11 @@ class Engine:
         next_tokens, logprobs = sample(logits, rows, step, mode)
         return next_tokens, logprobs, new
 
-    def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode) -> tuple:
-        key = (tokens.shape, cache.max_len, mode)
+    def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False) -> tuple:
+        """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty."""
+        key = (tokens.shape, cache.max_len, mode, fresh)
         start = time.perf_counter()
-        out = self._step(self.weights, tokens, cache, num_new, rows, jnp.int32(step), mode=mode)
+        out = self._step(self.weights, tokens, None if fresh else cache, num_new, rows, jnp.int32(step), mode=mode)
         cache = self._append(cache, out[2])
         if key not in self._compiled:  # first call of this shape: account its compile time
             jax.block_until_ready(out[0])
@@ -185,7 +186,9 @@ class Engine:
             tokens[b, : len(row)] = row
         mode, rows = batch_sampling(params)
         cache = init_cache(self.config, B, S, self.weights.embed.dtype)
-        next_tok, logprob, cache = self._run_step(jnp.asarray(tokens), cache, jnp.asarray(lengths), rows, 0, mode)
+        next_tok, logprob, cache = self._run_step(
+            jnp.asarray(tokens), cache, jnp.asarray(lengths), rows, 0, mode, fresh=True
+        )
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
         done = np.zeros(B, bool)

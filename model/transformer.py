@@ -73,57 +73,68 @@ def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:
 
 
 def attention_masks(
-    starts: jax.Array, num_new: jax.Array, T: int, max_len: int, window: int | None
-) -> tuple[jax.Array, jax.Array]:
+    starts: jax.Array, num_new: jax.Array, T: int, max_len: int | None, window: int | None
+) -> tuple[jax.Array | None, jax.Array]:
     """Visibility of cached keys [B,T,S] and of the T new keys [B,T,T] to each new query.
+
+    With ``max_len`` None there is no cache to read and the first mask is None.
 
     A cached slot is visible if it was written before this call (slot < start); a new key j is
     visible to new query i if it is real (j < num_new) and causal (j <= i). Sliding-window
     layers also require query position - key position < window.
     """
+    B = starts.shape[0]
     i = jnp.arange(T)[None, :, None]
-    slots = jnp.arange(max_len)[None, None, :]
-    cached = slots < starts[:, None, None]
     j = jnp.arange(T)[None, None, :]
     new = (j <= i) & (j < num_new[:, None, None])
     if window is not None:
-        cached &= starts[:, None, None] + i - slots < window
         new &= i - j < window
-    B = starts.shape[0]
-    return jnp.broadcast_to(cached, (B, T, max_len)), jnp.broadcast_to(new, (B, T, T))
+    new = jnp.broadcast_to(new, (B, T, T))
+    if max_len is None:
+        return None, new
+    slots = jnp.arange(max_len)[None, None, :]
+    cached = slots < starts[:, None, None]
+    if window is not None:
+        cached &= starts[:, None, None] + i - slots < window
+    return jnp.broadcast_to(cached, (B, T, max_len)), new
 
 
 def attend(
     q: jax.Array,
-    k_cache: jax.Array,
-    v_cache: jax.Array,
+    k_cache: jax.Array | None,
+    v_cache: jax.Array | None,
     k_new: jax.Array,
     v_new: jax.Array,
-    masks: tuple[jax.Array, jax.Array],
+    masks: tuple[jax.Array | None, jax.Array],
 ) -> jax.Array:
     """Grouped-query softmax attention of the new queries over cached and new keys -> [B,T,N,H].
 
     q, k_new, v_new [B,T,*,H]; k_cache [B,K,H,S], v_cache [B,K,S,H] (the cache layouts): the
-    cache as it was before this call, the new keys and values beside it.
+    cache as it was before this call (None: nothing cached), the new keys and values beside it.
     """
     B, T, N, H = q.shape
     K = k_new.shape[2]
     G = N // K
-    S = v_cache.shape[2]
     # Queries as [B, K, G*T, H]: the cache matmuls then have the canonical batched form
     # (batch B,K; rows G*T), which XLA:CPU runs without relayouting the cache.
     qg = (q * (H**-0.5)).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
-    s_cached = jnp.einsum("bkmh,bkhs->bkms", qg, k_cache, preferred_element_type=jnp.float32)
-    s_new = jnp.einsum("bkmh,bjkh->bkmj", qg, k_new, preferred_element_type=jnp.float32)
-    mask_cached, mask_new = masks  # [B, T, S], [B, T, T] -> broadcast over K and G
-    mask = jnp.concatenate([mask_cached, mask_new], axis=-1)
-    mask = jnp.broadcast_to(mask[:, None, None], (B, 1, G, T, S + T)).reshape(B, 1, G * T, S + T)
-    scores = jnp.where(mask, jnp.concatenate([s_cached, s_new], axis=-1), -jnp.inf)
+    mask_cached, mask_new = masks  # [B, T, S], [B, T, T]
+    scores = jnp.einsum("bkmh,bjkh->bkmj", qg, k_new, preferred_element_type=jnp.float32)
+    mask = mask_new
+    if k_cache is not None:
+        s_cached = jnp.einsum("bkmh,bkhs->bkms", qg, k_cache, preferred_element_type=jnp.float32)
+        scores = jnp.concatenate([s_cached, scores], axis=-1)
+        mask = jnp.concatenate([mask_cached, mask_new], axis=-1)
+    # Broadcast the [B, T, keys] mask over K and G, in the [B, K, G*T, keys] order of scores.
+    mask = jnp.broadcast_to(mask[:, None, None], (B, 1, G) + mask.shape[1:]).reshape(B, 1, G * T, -1)
+    scores = jnp.where(mask, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
     # A query with no visible key (padding of an empty row) would be NaN; make it zero.
     probs = jnp.where(mask, probs, 0.0).astype(v_new.dtype)
-    out = jnp.einsum("bkms,bksh->bkmh", probs[..., :S], v_cache.astype(v_new.dtype))
-    out += jnp.einsum("bkmj,bjkh->bkmh", probs[..., S:], v_new)
+    S = 0 if v_cache is None else v_cache.shape[2]
+    out = jnp.einsum("bkmj,bjkh->bkmh", probs[..., S:], v_new)
+    if v_cache is not None:
+        out += jnp.einsum("bkms,bksh->bkmh", probs[..., :S], v_cache.astype(v_new.dtype))
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
 
 
@@ -132,9 +143,9 @@ def attention_block(
     config: ModelConfig,
     x: jax.Array,
     cos_sin: tuple[jax.Array, jax.Array],
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    masks: tuple[jax.Array, jax.Array],
+    k_cache: jax.Array | None,
+    v_cache: jax.Array | None,
+    masks: tuple[jax.Array | None, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Self-attention of ``x`` [B,T,D] over the cache; returns output and the new keys/values."""
     q = jnp.einsum("btd,dnh->btnh", x, w.q)
@@ -147,7 +158,9 @@ def attention_block(
         k = rms_norm(k, w.k_norm, config.rms_norm_eps)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    out = attend(q, k_cache.astype(q.dtype), v_cache, k, v, masks)
+    if k_cache is not None:
+        k_cache = k_cache.astype(q.dtype)
+    out = attend(q, k_cache, v_cache, k, v, masks)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
@@ -162,9 +175,9 @@ def decoder_layer(
     config: ModelConfig,
     x: jax.Array,
     cos_sin: tuple[jax.Array, jax.Array],
-    k_cache: jax.Array,
-    v_cache: jax.Array,
-    masks: tuple[jax.Array, jax.Array],
+    k_cache: jax.Array | None,
+    v_cache: jax.Array | None,
+    masks: tuple[jax.Array | None, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pre-norm residual block: attention then SwiGLU MLP; also returns the new keys/values."""
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
@@ -195,34 +208,40 @@ def forward(
     weights: Weights,
     config: ModelConfig,
     tokens: jax.Array,
-    cache: KVCache,
+    cache: KVCache | None = None,
     num_new: jax.Array | None = None,
     all_logits: bool = False,
     hidden_out: list | None = None,
 ) -> tuple[jax.Array, NewKV]:
-    """Run ``tokens`` [B,T] as the continuation of each cached row.
+    """Run ``tokens`` [B,T] as the continuation of each cached row (from scratch if no cache).
 
     ``num_new`` [B] is how many of the T tokens of each row are real (default: all T).
     Returns fp32 logits [B,T,V] if ``all_logits`` else the logits of each row's last real token
     [B,V], and the new keys/values to pass to :func:`append_to_cache`. ``hidden_out``, when
     given a list, receives each decoder layer's output (for layer-by-layer comparison).
+    A first prefill should pass ``cache=None`` rather than an empty cache: reading an empty
+    cache costs as much attention work as a full one.
     """
     B, T = tokens.shape
     if num_new is None:
         num_new = jnp.full((B,), T, jnp.int32)
-    starts = cache.lengths
+    if cache is None:
+        starts, rope_len, max_len = jnp.zeros((B,), jnp.int32), jnp.max(num_new), None
+    else:
+        starts, max_len = cache.lengths, cache.max_len
+        rope_len = jnp.maximum(cache.rope_len, jnp.max(starts + num_new))
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    rope_len = jnp.maximum(cache.rope_len, jnp.max(starts + num_new))
     cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
     masks = {
-        window: attention_masks(starts, num_new, T, cache.max_len, window)
+        window: attention_masks(starts, num_new, T, max_len, window)
         for window in set(config.sliding_windows)
     }
     x = jnp.take(weights.embed, tokens, axis=0)
     new_k, new_v = [], []
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
-        x, k, v = decoder_layer(layer, config, x, cos_sin, cache.k[i], cache.v[i], layer_masks)
+        k_cache, v_cache = (None, None) if cache is None else (cache.k[i], cache.v[i])
+        x, k, v = decoder_layer(layer, config, x, cos_sin, k_cache, v_cache, layer_masks)
         new_k.append(k)
         new_v.append(v)
         if hidden_out is not None:
