@@ -1,46 +1,30 @@
 """``dayzero bench``: time to first token, prefill and decode throughput, compile time, memory.
 
-With ``--vs-hf`` the HF transformers peer (fp32, CPU torch) runs the same prompt in the same
-process right after, and the ratios are printed: these machines are shared and noisy, so only
-side-by-side ratios mean much.
+Sweeps prompt lengths and batch sizes (``--prompt-len 128,512,2048 --batch 1,8``). Peers run
+the same prompts in the same process right after (``--vs-hf``, ``--vs-llamacpp``) and the
+ratios are printed: these machines are shared and noisy, so only side-by-side ratios mean much.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
-import time
 from pathlib import Path
 
-import numpy as np
+import jax
+
+from dayzero.engine import peers
+from dayzero.engine.measure import bench_prompt, best_time, device_peak_mb, peak_rss_mb, rss_mb, speeds
+from dayzero.engine.soak import soak
 
 
-def peak_rss_mb() -> float:
-    """Peak resident memory of this process so far, in MiB (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def bench_prompt(vocab_size: int, length: int, batch: int, avoid: tuple[int, ...]) -> list[list[int]]:
-    """Deterministic random prompts (no EOS ids) so every run measures the same work."""
-    rng = np.random.default_rng(0)
-    rows = []
-    for _ in range(batch):
-        ids = rng.integers(0, vocab_size, size=length)
-        rows.append([int(i) if i not in avoid else 0 for i in ids])
-    return rows
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+class BenchError(ValueError):
+    """Bad benchmark options."""
 
 
 def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
     """Measure dayzero on ``prompts`` (best of ``repeats`` after a compiling warm-up)."""
-    batch, prompt_len = len(prompts), len(prompts[0])
+    compile_before = engine.compile_s
 
     def first_token():
         engine.generate(prompts, max_new_tokens=1, ignore_eos=True)
@@ -50,107 +34,129 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int
 
     first_token()
     full()
-    compile_s = engine.compile_s
-    ttft = min(_timed(first_token) for _ in range(repeats))
-    total = min(_timed(full) for _ in range(repeats))
-    decode_s = max(total - ttft, 1e-9)
+    result = speeds(prompts, new_tokens, best_time(first_token, repeats), best_time(full, repeats))
+    result.update(
+        compile_s=engine.compile_s - compile_before,
+        rss_mb=rss_mb(),
+        peak_rss_mb=peak_rss_mb(),
+        device_peak_mb=device_peak_mb(),
+        kv_cache_mb=kv_cache_bytes(engine.config, len(prompts), len(prompts[0]) + new_tokens) / 2**20,
+    )
+    return result
+
+
+def kv_cache_bytes(config, batch: int, length: int, itemsize: int = 4) -> int:
+    """Bytes of K and V for ``batch`` rows of ``length`` positions (before bucket padding)."""
+    return 2 * config.num_layers * batch * length * config.num_kv_heads * config.head_dim * itemsize
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise BenchError(f"{flag} {text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 1:
+        raise BenchError(f"{flag} {text!r} must list integers >= 1")
+    return values
+
+
+def _runs(engine, args, prompt_lens: list[int], batches: list[int]) -> list[dict]:
+    context = engine.config.max_position_embeddings
+    runs = []
+    for prompt_len in prompt_lens:
+        if prompt_len + args.new_tokens > context:
+            raise BenchError(
+                f"--prompt-len {prompt_len} + --new-tokens {args.new_tokens} exceeds the model's context of {context}"
+            )
+        for batch in batches:
+            prompts = bench_prompt(engine.config.vocab_size, prompt_len, batch, engine.eos_ids)
+            row = {"prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
+            row.update(bench_engine(engine, prompts, args.new_tokens, args.repeats))
+            for name, peer in _peers(args):
+                if name == "llamacpp" and batch > 1:
+                    continue  # llama-cpp-python's API runs one sequence
+                measured = peer(prompts, args.new_tokens, args.repeats)
+                row[name] = measured
+                row[f"ratio_{name}"] = ratios(row, measured)
+            runs.append(row)
+    return runs
+
+
+def ratios(ours: dict, peer: dict) -> dict[str, float]:
+    """dayzero / peer for speeds; peer / dayzero for time to first token (> 1: dayzero faster)."""
     return {
-        "ttft_s": ttft,
-        "prefill_tok_s": batch * prompt_len / ttft,
-        "decode_tok_s": batch * (new_tokens - 1) / decode_s,
-        "compile_s": compile_s,
-        "peak_rss_mb": peak_rss_mb(),
+        "ttft_s": peer["ttft_s"] / ours["ttft_s"],
+        "prefill_tok_s": ours["prefill_tok_s"] / peer["prefill_tok_s"],
+        "decode_tok_s": ours["decode_tok_s"] / peer["decode_tok_s"],
     }
 
 
-def _load_hf_model(src: Path):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    if src.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+_PEER_CACHE: dict = {}
 
 
-def bench_hf(src: Path, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
-    """Measure HF transformers (fp32, all CPU threads) on the same prompts."""
-    import torch
-
-    torch.set_num_threads(os.cpu_count() or 1)
-    model = _load_hf_model(src).eval()
-    ids = torch.tensor(prompts)
-    batch, prompt_len = ids.shape
-
-    def first_token():
-        with torch.no_grad():
-            model(ids, use_cache=True).logits[:, -1].argmax(-1)
-
-    def full():
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-
-    first_token()
-    full()
-    ttft = min(_timed(first_token) for _ in range(repeats))
-    total = min(_timed(full) for _ in range(repeats))
-    return {
-        "ttft_s": ttft,
-        "prefill_tok_s": batch * prompt_len / ttft,
-        "decode_tok_s": batch * (new_tokens - 1) / max(total - ttft, 1e-9),
-    }
+def _peers(args) -> list[tuple[str, object]]:
+    """The peers asked for, each a callable(prompts, new_tokens, repeats) -> speeds (loaded once)."""
+    wanted = []
+    if args.vs_hf:
+        wanted.append(("hf", lambda: peers.HFPeer(peers.hf_source(args.vs_hf, args.model))))
+    if args.vs_llamacpp:
+        wanted.append(("llamacpp", lambda: peers.LlamaCppPeer(Path(args.vs_llamacpp))))
+    out = []
+    for name, make in wanted:
+        if name not in _PEER_CACHE:
+            _PEER_CACHE[name] = make()
+        out.append((name, _PEER_CACHE[name].measure))
+    return out
 
 
-def _hf_source(arg: str, model_dir: str | None) -> Path:
-    from dayzero.engine.cli import CommandError
-    from dayzero.engine.default_model import default_gguf_path
-
-    if arg != "auto":
-        return Path(arg)
-    if model_dir is not None:
-        raise CommandError("--vs-hf needs SRC (the original checkpoint) when --model is given")
-    return default_gguf_path()
-
-
-def _print_table(ours: dict, peer: dict | None, config: str) -> None:
-    print(f"dayzero bench: {config}")
-    header = f"{'metric':<16}{'dayzero':>12}"
-    if peer:
-        header += f"{'hf':>12}{'ratio':>9}"
+def _print_table(result: dict) -> None:
+    print(f"dayzero bench: {result['new_tokens']} new tokens, {result['dtype']}, {result['backend']}")
+    header = f"{'prompt':>7}{'batch':>6}{'ttft_s':>9}{'prefill/s':>11}{'decode/s':>10}{'compile_s':>10}{'rss_mb':>9}{'kv_mb':>8}"
     print(header)
-    for key in ("ttft_s", "prefill_tok_s", "decode_tok_s", "compile_s", "peak_rss_mb"):
-        line = f"{key:<16}{ours[key]:>12.3f}"
-        if peer and key in peer:
-            line += f"{peer[key]:>12.3f}{ours['ratio'][key]:>8.2f}x"
-        print(line)
+    for r in result["runs"]:
+        print(
+            f"{r['prompt_len']:>7}{r['batch']:>6}{r['ttft_s']:>9.3f}{r['prefill_tok_s']:>11.1f}"
+            f"{r['decode_tok_s']:>10.1f}{r['compile_s']:>10.2f}{r['rss_mb']:>9.0f}{r['kv_cache_mb']:>8.1f}"
+        )
+        for name in ("hf", "llamacpp"):
+            if name in r:
+                p, q = r[name], r[f"ratio_{name}"]
+                print(
+                    f"{'  ' + name:>13}{p['ttft_s']:>9.3f}{p['prefill_tok_s']:>11.1f}{p['decode_tok_s']:>10.1f}"
+                    f"   ratio ttft {q['ttft_s']:.2f}x prefill {q['prefill_tok_s']:.2f}x decode {q['decode_tok_s']:.2f}x"
+                )
+    if any("hf" in r or "llamacpp" in r for r in result["runs"]):
+        print("ratio = dayzero speed / peer speed (ttft: peer time / dayzero time); > 1 means dayzero is faster")
+    if "soak" in result:
+        s = result["soak"]
+        print(
+            f"soak to {s['max_len']} tokens: {s['compiles_after_warmup']} compilations after warm-up, "
+            f"RSS growth {s['rss_growth_mb']:.1f} MiB, last/first step latency {s['latency_last_over_first']:.2f}"
+        )
 
 
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark described by the parsed ``dayzero bench`` arguments."""
-    from dayzero.engine.cli import CommandError
     from dayzero.engine.generate import Engine
 
-    for name in ("prompt_len", "new_tokens", "batch", "repeats"):
+    prompt_lens = _int_list(args.prompt_len, "--prompt-len")
+    batches = _int_list(args.batch, "--batch")
+    for name in ("new_tokens", "repeats"):
         if getattr(args, name) < 1:
-            raise CommandError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+            raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
+    if args.new_tokens < 2:
+        raise BenchError("--new-tokens must be >= 2 to measure decoding")
     engine = Engine.load(args.model)
-    prompts = bench_prompt(engine.config.vocab_size, args.prompt_len, args.batch, engine.eos_ids)
-    result = bench_engine(engine, prompts, args.new_tokens, args.repeats)
-    result.update(prompt_len=args.prompt_len, new_tokens=args.new_tokens, batch=args.batch, dtype=str(engine.weights.embed.dtype))
-    peer = None
-    if args.vs_hf:
-        peer = bench_hf(_hf_source(args.vs_hf, args.model), prompts, args.new_tokens, args.repeats)
-        result["hf"] = peer
-        # Speed ratios: dayzero / HF (higher is better); for time to first token HF / dayzero.
-        result["ratio"] = {
-            "ttft_s": peer["ttft_s"] / result["ttft_s"],
-            "prefill_tok_s": result["prefill_tok_s"] / peer["prefill_tok_s"],
-            "decode_tok_s": result["decode_tok_s"] / peer["decode_tok_s"],
-        }
+    runs = _runs(engine, args, prompt_lens, batches)
+    result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend()}
+    if args.soak:
+        result["soak"] = soak(engine, args.soak_len)
+    if args.plot:
+        from dayzero.engine.plot import plot_bench
+
+        plot_bench(result, Path(args.plot))
     if args.json:
         print(json.dumps(result))
     else:
-        config = f"prompt {args.prompt_len} tokens, {args.new_tokens} new, batch {args.batch}, {result['dtype']}"
-        _print_table(result, peer, config)
-        if peer:
-            print("ratio: dayzero speed / HF speed (for ttft_s: HF time / dayzero time); > 1 means dayzero is faster")
+        _print_table(result)
     return 0

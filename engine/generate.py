@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -180,7 +180,14 @@ class Engine:
         completions = self._generate_ids(ids, max_new_tokens, params, logprobs, ignore_eos, on_text)
         return completions[0] if single else completions
 
-    def _generate_ids(self, ids, max_new_tokens, params, want_logprobs, ignore_eos, on_text):
+    def stream_ids(
+        self, ids: list[list[int]], max_new_tokens: int, params: list[SamplingParams]
+    ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Yield ``(tokens [B], logprobs [B])`` for each generated position of a batch.
+
+        No EOS handling and no input checks (``generate`` does both): the caller stops
+        consuming when it has what it needs. Rows may have different prompt lengths.
+        """
         B = len(ids)
         lengths = np.array([len(r) for r in ids], np.int32)
         T = bucket(int(lengths.max()), MIN_PROMPT_BUCKET)
@@ -193,11 +200,6 @@ class Engine:
         next_tok, logprob, cache = self._run_step(
             jnp.asarray(tokens), cache, jnp.asarray(lengths), rows, 0, mode, fresh=True
         )
-        out_ids: list[list[int]] = [[] for _ in range(B)]
-        out_lp: list[list[float]] = [[] for _ in range(B)]
-        done = np.zeros(B, bool)
-        stopped = np.zeros(B, bool)
-        decoders = [StreamDecoder(self.tokenizer) for _ in range(B)] if on_text and self.tokenizer else None
         ones = jnp.ones((B,), jnp.int32)
         for step in range(1, max_new_tokens + 1):
             produced = (next_tok, logprob)
@@ -205,7 +207,16 @@ class Engine:
                 # Dispatch the next step before reading this one back, so the host's
                 # bookkeeping overlaps the device's work (one wasted step at an early stop).
                 next_tok, logprob, cache = self._run_step(next_tok[:, None], cache, ones, rows, step, mode)
-            host_tok, host_lp = np.asarray(produced[0]), np.asarray(produced[1])
+            yield np.asarray(produced[0]), np.asarray(produced[1])
+
+    def _generate_ids(self, ids, max_new_tokens, params, want_logprobs, ignore_eos, on_text):
+        B = len(ids)
+        out_ids: list[list[int]] = [[] for _ in range(B)]
+        out_lp: list[list[float]] = [[] for _ in range(B)]
+        done = np.zeros(B, bool)
+        stopped = np.zeros(B, bool)
+        decoders = [StreamDecoder(self.tokenizer) for _ in range(B)] if on_text and self.tokenizer else None
+        for host_tok, host_lp in self.stream_ids(ids, max_new_tokens, params):
             for b in np.flatnonzero(~done):
                 out_ids[b].append(int(host_tok[b]))
                 out_lp[b].append(float(host_lp[b]))

@@ -1,0 +1,105 @@
+"""Peer implementations measured side by side with dayzero in ``dayzero bench``.
+
+HF transformers (fp32, CPU torch) and llama.cpp (through ``llama-cpp-python``), each loaded
+once and asked to run the same prompts. Neither is a dependency of dayzero: a peer that is not
+installed is a clear error naming what to install.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from dayzero.engine.measure import best_time, speeds
+
+
+class PeerError(ValueError):
+    """A peer that cannot run (not installed, or no source checkpoint)."""
+
+
+def hf_source(arg: str, model_dir: str | None) -> Path:
+    """The checkpoint HF loads: SRC as given, or the embedded GGUF for the default model."""
+    from dayzero.engine.default_model import default_gguf_path
+
+    if arg != "auto":
+        if not Path(arg).exists():
+            raise PeerError(f"--vs-hf {arg}: no such file or directory; pass the original checkpoint")
+        return Path(arg)
+    if model_dir is not None:
+        raise PeerError("--vs-hf needs SRC (the original checkpoint) when --model is given")
+    return default_gguf_path()
+
+
+class HFPeer:
+    """HF transformers in fp32 on all CPU threads."""
+
+    def __init__(self, src: Path):
+        try:
+            import torch
+            from transformers import AutoModelForCausalLM
+        except ImportError:
+            raise PeerError("--vs-hf needs transformers and torch: pip install 'dayzero[test]'") from None
+        torch.set_num_threads(os.cpu_count() or 1)
+        if src.suffix == ".gguf":
+            model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+        self.model = model.eval()
+        self._torch = torch
+
+    def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
+        """Best-of-``repeats`` TTFT, prefill and decode speed on ``prompts``."""
+        torch, model = self._torch, self.model
+        ids = torch.tensor(prompts)
+
+        def first_token():
+            with torch.no_grad():
+                model(ids, use_cache=True).logits[:, -1].argmax(-1)
+
+        def full():
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+
+        first_token()
+        full()
+        return speeds(prompts, new_tokens, best_time(first_token, repeats), best_time(full, repeats))
+
+
+class LlamaCppPeer:
+    """llama.cpp on a GGUF file, greedy, one sequence, all CPU threads."""
+
+    def __init__(self, gguf: Path):
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise PeerError("--vs-llamacpp needs llama-cpp-python: pip install llama-cpp-python") from None
+        if not gguf.exists():
+            raise PeerError(f"--vs-llamacpp {gguf}: no such file; pass a .gguf file")
+        self.gguf = gguf
+        self._Llama = Llama
+        self._llm = None
+
+    def _model(self, n_ctx: int):
+        if self._llm is None or self._llm.n_ctx() < n_ctx:
+            threads = os.cpu_count() or 1
+            self._llm = self._Llama(
+                model_path=str(self.gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, verbose=False
+            )
+        return self._llm
+
+    def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
+        """Best-of-``repeats`` TTFT, prefill and decode speed on one prompt."""
+        prompt = prompts[0]
+        llm = self._model(len(prompt) + new_tokens)
+
+        def run(n: int):
+            llm.reset()
+            llm.eval(prompt)
+            for _ in range(n - 1):
+                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                llm.eval([token])
+
+        run(new_tokens)
+        return speeds([prompt], new_tokens, best_time(lambda: run(1), repeats), best_time(lambda: run(new_tokens), repeats))
