@@ -60,7 +60,7 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _runs(engine, args, prompt_lens: list[int], batches: list[int]) -> list[dict]:
+def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[int]) -> list[dict]:
     context = engine.config.max_position_embeddings
     runs = []
     for prompt_len in prompt_lens:
@@ -72,10 +72,10 @@ def _runs(engine, args, prompt_lens: list[int], batches: list[int]) -> list[dict
             prompts = bench_prompt(engine.config.vocab_size, prompt_len, batch, engine.eos_ids)
             row = {"prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
             row.update(bench_engine(engine, prompts, args.new_tokens, args.repeats))
-            for name, peer in _peers(args):
+            for name, peer in peer_map.items():
                 if name == "llamacpp" and batch > 1:
                     continue  # llama-cpp-python's API runs one sequence
-                measured = peer(prompts, args.new_tokens, args.repeats)
+                measured = peer.measure(prompts, args.new_tokens, args.repeats)
                 row[name] = measured
                 row[f"ratio_{name}"] = ratios(row, measured)
             runs.append(row)
@@ -91,22 +91,14 @@ def ratios(ours: dict, peer: dict) -> dict[str, float]:
     }
 
 
-_PEER_CACHE: dict = {}
-
-
-def _peers(args) -> list[tuple[str, object]]:
-    """The peers asked for, each a callable(prompts, new_tokens, repeats) -> speeds (loaded once)."""
-    wanted = []
+def make_peers(args) -> dict[str, object]:
+    """The peers asked for, by name; constructing them checks they can run, loading is lazy."""
+    made = {}
     if args.vs_hf:
-        wanted.append(("hf", lambda: peers.HFPeer(peers.hf_source(args.vs_hf, args.model))))
+        made["hf"] = peers.HFPeer(peers.hf_source(args.vs_hf, args.model))
     if args.vs_llamacpp:
-        wanted.append(("llamacpp", lambda: peers.LlamaCppPeer(Path(args.vs_llamacpp))))
-    out = []
-    for name, make in wanted:
-        if name not in _PEER_CACHE:
-            _PEER_CACHE[name] = make()
-        out.append((name, _PEER_CACHE[name].measure))
-    return out
+        made["llamacpp"] = peers.LlamaCppPeer(Path(args.vs_llamacpp))
+    return made
 
 
 def _print_table(result: dict) -> None:
@@ -146,8 +138,9 @@ def run_bench(args: argparse.Namespace) -> int:
             raise BenchError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 1")
     if args.new_tokens < 2:
         raise BenchError("--new-tokens must be >= 2 to measure decoding")
+    peer_map = make_peers(args)
     engine = Engine.load(args.model)
-    runs = _runs(engine, args, prompt_lens, batches)
+    runs = _runs(engine, args, peer_map, prompt_lens, batches)
     result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend()}
     if args.soak:
         result["soak"] = soak(engine, args.soak_len)

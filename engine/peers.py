@@ -33,25 +33,34 @@ def hf_source(arg: str, model_dir: str | None) -> Path:
 
 
 class HFPeer:
-    """HF transformers in fp32 on all CPU threads."""
+    """HF transformers in fp32 on all CPU threads (the model loads at the first measurement)."""
 
     def __init__(self, src: Path):
         try:
             import torch
-            from transformers import AutoModelForCausalLM
+            import transformers  # noqa: F401 - checked here so a missing install fails early
         except ImportError:
             raise PeerError("--vs-hf needs transformers and torch: pip install 'dayzero[test]'") from None
+        self.src = src
+        self._torch = torch
+        self._model = None
+
+    def _load(self):
+        from transformers import AutoModelForCausalLM
+
+        torch, src = self._torch, self.src
         torch.set_num_threads(os.cpu_count() or 1)
         if src.suffix == ".gguf":
             model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, dtype=torch.float32)
         else:
             model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-        self.model = model.eval()
-        self._torch = torch
+        return model.eval()
 
     def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
         """Best-of-``repeats`` TTFT, prefill and decode speed on ``prompts``."""
-        torch, model = self._torch, self.model
+        if self._model is None:
+            self._model = self._load()
+        torch, model = self._torch, self._model
         ids = torch.tensor(prompts)
 
         def first_token():

@@ -1,0 +1,67 @@
+"""dayzero bench: sweep output, peers, the PNG plot and the long-context soak (short version)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dayzero.engine.cli import main
+from dayzero.engine.soak import soak
+
+SPEED_KEYS = {"ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "compile_s"}
+
+
+def _bench_json(capsys, *args: str) -> dict:
+    assert main(["bench", *args, "--json", "--repeats", "1"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_sweep_json_has_contract_keys_and_one_row_per_setting(tiny_model, capsys, tmp_path):
+    plot = tmp_path / "bench.png"
+    out = _bench_json(
+        capsys, "--model", str(tiny_model.dir), "--prompt-len", "16,40", "--batch", "1,2",
+        "--new-tokens", "4", "--plot", str(plot),
+    )
+    assert SPEED_KEYS <= out.keys()
+    assert [(r["prompt_len"], r["batch"]) for r in out["runs"]] == [(16, 1), (16, 2), (40, 1), (40, 2)]
+    for row in out["runs"]:
+        assert row["ttft_s"] > 0 and row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
+        assert row["kv_cache_mb"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hf_peer_runs_in_the_same_process_and_reports_ratios(tiny_model, capsys):
+    out = _bench_json(
+        capsys, "--model", str(tiny_model.dir), "--prompt-len", "16", "--new-tokens", "4",
+        "--vs-hf", str(tiny_model.hf_dir),
+    )
+    row = out["runs"][0]
+    assert {"ttft_s", "prefill_tok_s", "decode_tok_s"} <= row["hf"].keys()
+    assert row["ratio_hf"]["decode_tok_s"] == pytest.approx(row["decode_tok_s"] / row["hf"]["decode_tok_s"])
+
+
+def test_soak_decodes_to_the_context_without_recompiling_or_growing(tiny_engine):
+    result = soak(tiny_engine, max_len=tiny_engine.config.max_position_embeddings)
+    assert result["steps"] == tiny_engine.config.max_position_embeddings - 16
+    assert result["compiles_after_warmup"] == 0
+    # The cache is allocated once at full length: the process must not keep growing.
+    assert result["rss_growth_mb"] < 16
+    assert len(result["windows"]) == 16
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--prompt-len", "0"], "--prompt-len"),
+        (["--prompt-len", "abc"], "--prompt-len"),
+        (["--prompt-len", "250", "--new-tokens", "64"], "context"),
+        (["--new-tokens", "1"], "--new-tokens"),
+        (["--prompt-len", "16", "--vs-hf", "/nonexistent/checkpoint"], "/nonexistent/checkpoint"),
+        (["--prompt-len", "16", "--vs-hf"], "SRC"),
+    ],
+)
+def test_bad_bench_options_are_one_clear_error(tiny_model, capsys, args, fragment):
+    assert main(["bench", "--model", str(tiny_model.dir), "--repeats", "1", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dayzero: error:") and fragment in err and "Traceback" not in err
