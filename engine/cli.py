@@ -18,13 +18,18 @@ KERNEL_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input, not a bug (imported lazily: jax is slow to import)."""
     from dayzero.convert import ConvertError
+    from dayzero.engine.check import CheckError
     from dayzero.engine.default_model import DefaultModelError
     from dayzero.engine.generate import GenerationError
     from dayzero.engine.sampling import SamplingError
     from dayzero.engine.tokenizer import TokenizerError
+    from dayzero.engine.verify import VerifyError
     from dayzero.model.config import ConfigError
 
-    return (ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError)
+    return (
+        ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
+        VerifyError, CheckError,
+    )
 
 
 class CommandError(ValueError):
@@ -109,6 +114,28 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     _add_mesh_arg(b)
     _add_process_args(b)
+
+    v = sub.add_parser("verify", help="compare a conversion with HF transformers on the original, layer by layer")
+    v.add_argument("--model", required=True, metavar="DST", help="converted model directory")
+    v.add_argument("--reference", required=True, metavar="SRC", help="the original: HF directory, .bin/.pt/.pth or .gguf")
+    vprompt = v.add_mutually_exclusive_group()
+    vprompt.add_argument("--prompt", help="prompt text, encoded with DST's tokenizer (default: a ~200-token paragraph)")
+    vprompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
+    v.add_argument("--rtol", type=float, default=1e-3, help="per-layer error bound relative to max|reference|")
+    v.add_argument("--atol", type=float, default=0.0, help="absolute per-layer error allowance added to rtol's")
+    v.add_argument("--max-kl", type=float, default=1e-4, help="largest allowed per-token KL(reference || ours)")
+    v.add_argument("--min-top1", type=float, default=1.0, help="smallest allowed top-1 agreement fraction")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_mesh_arg(v)
+    _add_process_args(v)
+
+    k = sub.add_parser("check", help="validate a checkpoint's files, tensors and values before converting")
+    k.add_argument("src", help="HF model directory, .bin/.pt/.pth state dict, .gguf file, or converted directory")
+    k.add_argument("--sha256-file", metavar="FILE",
+                   help="sha256sum-style list '<hex>  <name>', or a converted directory whose manifest lists them")
+    k.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_mesh_arg(k)
+    _add_process_args(k)
     return parser
 
 
@@ -162,10 +189,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``dayzero verify``."""
+    from dayzero.engine.verify import run_verify
+
+    _check_mesh(args.mesh)
+    return run_verify(args, _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """``dayzero check``."""
+    from dayzero.engine.check import run_check
+
+    _check_mesh(args.mesh)
+    return run_check(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "convert": cmd_convert,
     "generate": cmd_generate,
     "bench": cmd_bench,
+    "verify": cmd_verify,
+    "check": cmd_check,
 }
 
 
