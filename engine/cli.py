@@ -1,4 +1,4 @@
-"""The ``dayzero`` command line: convert, generate, bench (contract in DESIGN.md).
+"""The ``dayzero`` command line: convert, generate, bench, verify, check (contract in DESIGN.md).
 
 A user's mistake ends with one sentence on stderr and a non-zero exit, never a traceback.
 """
@@ -18,16 +18,21 @@ KERNEL_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input, not a bug (imported lazily: jax is slow to import)."""
     from dayzero.convert import ConvertError
+    from dayzero.engine.bench import BenchError
     from dayzero.engine.check import CheckError
     from dayzero.engine.default_model import DefaultModelError
     from dayzero.engine.generate import GenerationError
+    from dayzero.engine.peers import PeerError
+    from dayzero.engine.plot import PlotError
     from dayzero.engine.sampling import SamplingError
+    from dayzero.engine.soak import SoakError
     from dayzero.engine.tokenizer import TokenizerError
     from dayzero.engine.verify import VerifyError
     from dayzero.model.config import ConfigError
 
     return (
         ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
+        BenchError, PeerError, PlotError, SoakError,
         VerifyError, CheckError,
     )
 
@@ -105,12 +110,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure time to first token, prefill and decode speed, memory")
     b.add_argument("--model", help="converted model directory (default: embedded SmolLM2-135M-Instruct)")
-    b.add_argument("--prompt-len", type=int, default=512)
+    b.add_argument("--prompt-len", default="512", metavar="N[,N...]", help="prompt length(s) to sweep")
     b.add_argument("--new-tokens", type=int, default=64)
-    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--batch", default="1", metavar="B[,B...]", help="batch size(s): concurrent sequences")
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions (the best is reported)")
     b.add_argument("--vs-hf", nargs="?", const="auto", metavar="SRC",
-                   help="also run HF transformers (fp32, CPU) on SRC (default: the embedded GGUF) and print ratios")
+                   help="also run HF transformers (fp32, CPU) on SRC (default: the embedded GGUF)")
+    b.add_argument("--vs-llamacpp", metavar="GGUF", help="also run llama.cpp (llama-cpp-python) on GGUF")
+    b.add_argument("--soak", action="store_true", help="also decode to the maximum context and report stability")
+    b.add_argument("--soak-len", type=int, metavar="N", help="soak up to N tokens (default: the model's context)")
+    b.add_argument("--plot", metavar="PNG", help="write latency and memory against prompt length to PNG")
     b.add_argument("--json", action="store_true")
     _add_mesh_arg(b)
     _add_process_args(b)
