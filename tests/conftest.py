@@ -1,0 +1,150 @@
+"""Shared fixtures: tiny random HF models, a byte-level tokenizer, converted model directories.
+
+The helpers are exposed as fixtures (``hf_factory``, ``tiny_model``) so that test modules never
+import this file. Nothing here is autouse: modules that do not ask for a fixture are unaffected.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+# A small but non-degenerate decoder: 4 query heads over 2 kv heads, 2 layers.
+# initializer_range=0.1 makes the logits O(1), so an absolute comparison of them means something
+# (HF's default 0.02 gives logits ~1e-2 that would agree with almost anything).
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=1024,
+    initializer_range=0.1,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+# Special tokens of the test tokenizer, placed after the 256 byte tokens.
+BOS, EOS = "<|bos|>", "<|eos|>"
+BOS_ID, EOS_ID = 256, 257
+CHAT_TEMPLATE = (
+    "{% for m in messages %}" + BOS + "{{ m['role'] }}\n{{ m['content'] }}" + EOS + "\n{% endfor %}"
+    "{% if add_generation_prompt %}" + BOS + "assistant\n{% endif %}"
+)
+
+
+def _config_class(family: str):
+    import transformers
+
+    return {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[family]
+
+
+def build_hf_model(family: str = "llama", seed: int = 0, **overrides):
+    """A tiny random HF causal LM in fp32, eager attention, with non-trivial norms and biases.
+
+    HF initialises norm weights to 1 and biases to 0, which would hide a swapped or missing norm
+    or bias in the port; they are drawn at random here.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _config_class(family)(**{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
+    return model
+
+
+def byte_chars() -> dict[int, str]:
+    """The byte -> printable character table of byte-level BPE (the GPT-2 scheme).
+
+    Printable Latin-1 bytes stand for themselves; the other 68 are shifted to 256 + n in order.
+    """
+    kept = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    table, shifted = {}, 0
+    for b in range(256):
+        if b in kept:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def write_byte_tokenizer(directory: Path) -> None:
+    """A byte-level tokenizer (ids 0-255 are the bytes, no merges) plus BOS=256, EOS=257.
+
+    Writes tokenizer.json, tokenizer_config.json (with a chat template) and a
+    generation_config.json naming EOS. Every byte sequence is encodable, so a model's random
+    output decodes to text (often with invalid UTF-8, which is exactly what streaming must handle).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    table = byte_chars()
+    vocab = {table[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(BOS, special=True), AddedToken(EOS, special=True)])
+    assert tok.token_to_id(BOS) == BOS_ID and tok.token_to_id(EOS) == EOS_ID
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": BOS, "eos_token": EOS, "chat_template": CHAT_TEMPLATE})
+    )
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_ID, "bos_token_id": BOS_ID}))
+
+
+def save_and_convert(model, root: Path, tokenizer: bool = False) -> tuple[Path, Path]:
+    """``save_pretrained`` into ``root/hf`` (optionally with the test tokenizer), convert to ``root/dz``."""
+    from dayzero.convert import convert_checkpoint
+
+    hf_dir, dz_dir = root / "hf", root / "dz"
+    model.save_pretrained(hf_dir)
+    if tokenizer:
+        write_byte_tokenizer(hf_dir)
+    convert_checkpoint(hf_dir, dz_dir, progress=False)
+    return hf_dir, dz_dir
+
+
+@pytest.fixture(scope="session")
+def hf_factory():
+    """``build_hf_model`` and ``save_and_convert`` for modules that build their own models."""
+    return SimpleNamespace(build=build_hf_model, save_and_convert=save_and_convert, tiny=dict(TINY))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A tiny llama (vocab 260, context 256) converted with the byte-level tokenizer.
+
+    Fields: ``hf`` (the torch model), ``hf_dir``, ``dir`` (converted), ``config``, ``weights``.
+    """
+    from dayzero.convert import load_checkpoint
+
+    model = build_hf_model("llama", seed=1, vocab_size=260, max_position_embeddings=256)
+    hf_dir, dz_dir = save_and_convert(model, tmp_path_factory.mktemp("tiny_model"), tokenizer=True)
+    config, weights = load_checkpoint(dz_dir)
+    return SimpleNamespace(hf=model, hf_dir=hf_dir, dir=dz_dir, config=config, weights=weights)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model):
+    """One shared :class:`Engine` over ``tiny_model`` (tests that count compilations make their own)."""
+    from dayzero.engine import Engine
+
+    return Engine.load(tiny_model.dir)
+
