@@ -93,7 +93,9 @@ class Engine:
 
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
         config, weights = load_checkpoint(model_dir, dtype=dtype or default_dtype())
-        return cls(config, weights, Tokenizer(model_dir))
+        # A model converted without tokenizer files still serves token-id prompts.
+        tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
+        return cls(config, weights, tokenizer)
 
     # ---- compiled pieces -------------------------------------------------------------------
 
@@ -228,6 +230,10 @@ class Engine:
                     done[b] = True
             if done.all():
                 break
+        for b, decoder in enumerate(decoders or []):
+            tail = decoder.flush()
+            if tail:
+                on_text(b, tail)
         return [
             Completion(
                 text=self.tokenizer.decode(out_ids[b]) if self.tokenizer else "",

@@ -40,7 +40,8 @@ class SamplingParams:
             (int(self.top_k) == self.top_k and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)"),
             (0 < self.top_p <= 1, "top_p", "in (0, 1] (1 disables it)"),
             (0 <= self.min_p <= 1, "min_p", "in [0, 1] (0 disables it)"),
-            (int(self.seed) == self.seed, "seed", "an integer"),
+            # jax.random.key takes 32-bit seeds without aliasing (2**32 would equal 0).
+            (int(self.seed) == self.seed and 0 <= self.seed < 2**32, "seed", "an integer in [0, 2**32)"),
         ]
         for ok, name, expected in checks:
             if not ok:

@@ -109,6 +109,13 @@ class StreamDecoder:
         text = self._tokenizer.decode(self._ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             return ""
+        return self._advance(text)
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete UTF-8 tail) once no more tokens will come."""
+        return self._advance(self._tokenizer.decode(self._ids))
+
+    def _advance(self, text: str) -> str:
         delta = text[len(self._emitted):] if text.startswith(self._emitted) else text
         self._emitted = text
         return delta
