@@ -1,9 +1,10 @@
 """The streaming conversion loop: source checkpoint -> dayzero checkpoint directory.
 
-Target-driven: for each group (globals, then one per layer), for each leaf, read its one source
-tensor, check its shape before touching the values, transform, cast to the storage dtype, check
-it is finite, and add it to the group; save the group with Orbax and drop it. Peak memory is
-about the largest group plus the largest source tensor, never the whole model.
+Target-driven: for each group (globals, then one per layer), for each leaf, read its source
+tensor (or, for stacked experts, each of its source tensors in turn), check its shape before
+touching the values, transform, cast to the storage dtype, check it is finite, and add it to the
+group; save the group with Orbax and drop it. Peak memory is about the largest group plus the
+largest source tensor, never the whole model.
 
 Everything is written into ``DST.tmp-<random>`` next to DST and renamed into place only after
 the manifest (written last) is on disk; any error or interrupt removes the temporary directory.
@@ -25,7 +26,9 @@ from tqdm import tqdm
 
 from dayzero.convert.checkpoint import GroupWriter, array_sha256, file_sha256, write_manifest
 from dayzero.convert.errors import ConvertError
-from dayzero.convert.name_map import Recipe, check_shape, check_targets, group_of, key_in_group, plan
+from dayzero.convert.name_map import (
+    Combine, Recipe, check_shape, check_targets, group_of, key_in_group, plan, source_tensors,
+)
 from dayzero.convert.sources import Source, open_source
 from dayzero.model.config import ConfigError, ModelConfig, parse_hf_config
 from dayzero.model.weights import abstract_weights, named_leaves
@@ -48,34 +51,54 @@ def storage_dtype(requested: str | None, source: Source, recipes: tuple[Recipe, 
         if requested not in STORAGE_DTYPES:
             raise ConvertError(f"dtype {requested!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
         return STORAGE_DTYPES[requested]
-    dtypes = {np.dtype(source.reader.dtype(r.source)) for r in recipes}
+    dtypes = {np.dtype(source.reader.dtype(name)) for name, _ in source_tensors(recipes)}
     if len(dtypes) == 1 and dtypes <= set(_HALF):
         return dtypes.pop()
     return STORAGE_DTYPES["float32"]
 
 
 def _check_floating(source: Source, recipes: tuple[Recipe, ...]) -> None:
-    for r in recipes:
-        dtype = np.dtype(source.reader.dtype(r.source))
+    for name, _ in source_tensors(recipes):
+        dtype = np.dtype(source.reader.dtype(name))
         if dtype.kind != "f" and dtype not in _HALF:
             raise ConvertError(
-                f"tensor '{r.source}' in {source.path} has dtype {dtype}; quantized or integer weights "
+                f"tensor '{name}' in {source.path} has dtype {dtype}; quantized or integer weights "
                 "are not supported, convert an unquantized checkpoint"
             )
 
 
-def _make_leaf(recipe: Recipe, source: Source, storage: np.dtype, expected: tuple[int, ...]) -> np.ndarray:
-    """Read, check, transform and cast one leaf."""
+def _read_part(recipe: Recipe, name: str, source: Source, storage: np.dtype) -> np.ndarray:
+    """Read, check and transform one source tensor of a recipe, cast to ``storage``."""
     where = str(source.path)
-    x = source.reader.get(recipe.source)
-    check_shape(recipe, x.shape, where)
+    x = source.reader.get(name)
+    check_shape(recipe, name, x.shape, where)
     with np.errstate(over="ignore"):  # an overflowing cast is reported just below, by name
         y = np.ascontiguousarray(recipe.apply(x), dtype=storage)
-    if y.shape != expected:
-        raise AssertionError(f"recipe for {recipe.target} produced {y.shape}, the weight tree needs {expected}")
     if not np.isfinite(y).all():
         cause = "overflows " + str(storage) if np.isfinite(x).all() else "contains NaN or Inf values"
-        raise ConvertError(f"tensor '{recipe.source}' in {where} {cause}; the checkpoint cannot be used as is")
+        raise ConvertError(f"tensor '{name}' in {where} {cause}; the checkpoint cannot be used as is")
+    return y
+
+
+def _make_leaf(recipe: Recipe, source: Source, storage: np.dtype, expected: tuple[int, ...]) -> np.ndarray:
+    """Read, check, transform and cast one leaf.
+
+    A stacked leaf is filled one source tensor at a time, so peak memory is the leaf plus one
+    expert, not the leaf twice.
+    """
+    if recipe.combine is Combine.ONLY:
+        y = _read_part(recipe, recipe.source, source, storage)
+        if y.shape != expected:
+            raise AssertionError(f"recipe for {recipe.target} produced {y.shape}, the weight tree needs {expected}")
+        return y
+    if len(recipe.sources) != expected[0]:
+        raise AssertionError(f"recipe for {recipe.target} stacks {len(recipe.sources)} tensors into {expected}")
+    y = np.empty(expected, storage)
+    for i, name in enumerate(recipe.sources):
+        part = _read_part(recipe, name, source, storage)
+        if part.shape != expected[1:]:
+            raise AssertionError(f"recipe for {recipe.target} made a {part.shape} part of {expected}")
+        y[i] = part
     return y
 
 
@@ -101,7 +124,8 @@ def _write_weights(tmp: Path, source: Source, config: ModelConfig, recipes: tupl
                 y = _make_leaf(r, source, storage, specs[r.target].shape)
                 arrays[key_in_group(r.target)] = y
                 entries[r.target] = {"group": group, "shape": list(y.shape), "dtype": str(y.dtype),
-                                     "sha256": array_sha256(y), "source": r.source}
+                                     "sha256": array_sha256(y),
+                                     "source": r.source if len(r.sources) == 1 else list(r.sources)}
                 bar.update()
             writer.save(group, arrays)
             del arrays, y  # the group is on disk; let it go before reading the next one
@@ -118,7 +142,8 @@ def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool) 
     except ConfigError as e:
         raise ConvertError(f"{where}: {e}") from e
     name_map = source.name_map(config)
-    check_targets(name_map.recipes, config)
+    for layout in (name_map.recipes, *name_map.alternatives):
+        check_targets(layout, config)
     recipes = plan(name_map, source.reader.keys(), source.reader.shape, where)
     _check_floating(source, recipes)
     storage = storage_dtype(dtype, source, recipes)

@@ -1,15 +1,20 @@
-"""Name maps: which source tensor feeds which leaf of the weight tree, and through which transforms.
+"""Name maps: which source tensors feed which leaf of the weight tree, and through which transforms.
 
 A map is a list of :class:`Recipe`, one per target leaf (the leaf paths of
 ``dayzero.model.weights.named_leaves(abstract_weights(config))``, e.g. ``layers/3/attn/q``),
-plus a predicate for source tensors that are deliberately not used. :func:`plan` checks a
-source against a map before any data is read: every target leaf has exactly one existing source
-tensor of the expected shape, and every source tensor is used or explicitly ignored.
+plus a predicate for source tensors that are deliberately not used. Most leaves come from one
+source tensor; a stacked expert leaf [E, ...] comes from E per-expert tensors (``Combine.STACK``).
+A map may also carry alternative layouts of the same leaves (HF's fused expert tensors beside
+the per-expert ones of published checkpoints); the one whose tensors the source has is used.
+:func:`plan` checks a source against a map before any data is read: every target leaf has
+existing source tensors of the expected shape, and every source tensor is used or explicitly
+ignored.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import re
 from functools import partial
 from typing import Callable, Iterable, Sequence
@@ -18,23 +23,50 @@ import numpy as np
 
 from dayzero.convert import transforms as T
 from dayzero.convert.errors import ConvertError
-from dayzero.model.config import ModelConfig
+from dayzero.model.config import Family, ModelConfig
 from dayzero.model.weights import abstract_weights, named_leaves
 
 Transform = Callable[[np.ndarray], np.ndarray]
 
 
+class Combine(enum.Enum):
+    """How a recipe's transformed source tensors make its leaf."""
+
+    ONLY = "only"  # one source tensor is the leaf
+    STACK = "stack"  # source i becomes leaf[i] (experts stacked expert-major)
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    """How one target leaf is made: from ``source`` (of ``source_shape``) via ``steps`` in order."""
+    """How one target leaf is made: each of ``sources`` (all of ``source_shape``) goes through
+    ``steps`` in order, then ``combine`` puts the results together.
+
+    ``sources`` may be given as one name, for the common one-tensor leaf.
+    """
 
     target: str
-    source: str
+    sources: tuple[str, ...] | str
     source_shape: tuple[int, ...]
     steps: tuple[Transform, ...] = (T.identity,)
+    combine: Combine = Combine.ONLY
+
+    def __post_init__(self):
+        if isinstance(self.sources, str):
+            object.__setattr__(self, "sources", (self.sources,))
+        if self.combine is Combine.ONLY and len(self.sources) != 1:
+            raise ValueError(f"recipe for {self.target}: Combine.ONLY takes one source, got {len(self.sources)}")
+        if not self.sources:
+            raise ValueError(f"recipe for {self.target} has no sources")
+
+    @property
+    def source(self) -> str:
+        """The one source tensor of a ``Combine.ONLY`` recipe (use ``sources`` for any recipe)."""
+        if len(self.sources) != 1:
+            raise ValueError(f"recipe for {self.target} has {len(self.sources)} sources; read .sources")
+        return self.sources[0]
 
     def apply(self, x: np.ndarray) -> np.ndarray:
-        """Run the value transforms on a source tensor that already passed the shape check."""
+        """Run the value transforms on one source tensor that already passed the shape check."""
         for step in self.steps:
             x = step(x)
         return x
@@ -42,10 +74,29 @@ class Recipe:
 
 @dataclasses.dataclass(frozen=True)
 class NameMap:
-    """The recipes for every target leaf plus the rule for deliberately unused source tensors."""
+    """The recipes for every target leaf plus the rule for deliberately unused source tensors.
+
+    ``alternatives``: other complete recipe sets for the same leaves, each a different source
+    layout (e.g. experts fused into one tensor). :meth:`layout_for` picks the one a source has.
+    """
 
     recipes: tuple[Recipe, ...]
     is_ignored: Callable[[str], bool]
+    alternatives: tuple[tuple[Recipe, ...], ...] = ()
+
+    def layout_for(self, names: Iterable[str]) -> tuple[Recipe, ...]:
+        """The first layout whose every source tensor is in ``names``; else the main one
+        (so that problems are reported against the layout of published checkpoints)."""
+        names = set(names)
+        for recipes in (self.recipes, *self.alternatives):
+            if all(s in names for r in recipes for s in r.sources):
+                return recipes
+        return self.recipes
+
+
+def source_tensors(recipes: Iterable[Recipe]) -> list[tuple[str, Recipe]]:
+    """Every (source tensor, recipe that reads it) pair, in recipe order."""
+    return [(s, r) for r in recipes for s in r.sources]
 
 
 def group_of(target: str) -> str:
@@ -60,13 +111,73 @@ def key_in_group(target: str) -> tuple[str, ...]:
     return parts[2:] if parts[0] == "layers" else parts
 
 
-# --- Hugging Face (llama / mistral / qwen2 / qwen3) -------------------------------------------
+# --- Hugging Face (llama / mistral / qwen2 / qwen3 / mixtral / qwen3_moe) -----------------------
 
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a derived buffer old checkpoints saved
 
+LayerMLP = Callable[[ModelConfig, str, str], list[Recipe]]  # (config, source prefix, target prefix)
 
-def _hf_layer(c: ModelConfig, i: int) -> list[Recipe]:
-    D, F, N, K, H = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+
+def _hf_dense_mlp(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    D, F = c.hidden_size, c.intermediate_size
+    return [
+        Recipe(dst + "mlp/gate", src + "mlp.gate_proj.weight", (F, D), (T.transpose,)),
+        Recipe(dst + "mlp/up", src + "mlp.up_proj.weight", (F, D), (T.transpose,)),
+        Recipe(dst + "mlp/down", src + "mlp.down_proj.weight", (D, F), (T.transpose,)),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertNames:
+    """Where a family's per-expert tensors live: ``{block}.gate.weight`` (router) and
+    ``{block}.experts.{e}.{gate|up|down}.weight``."""
+
+    block: str
+    gate: str
+    up: str
+    down: str
+
+
+_PER_EXPERT_NAMES = {
+    Family.MIXTRAL: _ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
+    Family.QWEN3_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def _hf_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """Per-expert tensors, as published checkpoints (Mixtral-8x7B, Qwen3-30B-A3B) and
+    transformers' default ``save_pretrained`` store them; each stacked expert-major."""
+    n, D, E, F = _PER_EXPERT_NAMES[c.family], c.hidden_size, c.moe.num_experts, c.moe.intermediate_size
+    block = src + n.block
+
+    def per_expert(name: str) -> tuple[str, ...]:
+        return tuple(f"{block}.experts.{e}.{name}.weight" for e in range(E))
+
+    return [
+        Recipe(dst + "mlp/router", block + ".gate.weight", (E, D), (T.transpose,)),
+        Recipe(dst + "mlp/gate", per_expert(n.gate), (F, D), (T.transpose,), Combine.STACK),
+        Recipe(dst + "mlp/up", per_expert(n.up), (F, D), (T.transpose,), Combine.STACK),
+        Recipe(dst + "mlp/down", per_expert(n.down), (D, F), (T.transpose,), Combine.STACK),
+    ]
+
+
+def _hf_fused_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """transformers 5's in-memory layout, which ``save_pretrained(save_original_format=False)``
+    writes for both families: router ``mlp.gate.weight`` [E,D], ``mlp.experts.gate_up_proj``
+    [E,2F,D] (gate rows first) and ``mlp.experts.down_proj`` [E,D,F]."""
+    D, E, F = c.hidden_size, c.moe.num_experts, c.moe.intermediate_size
+    gate_up = src + "mlp.experts.gate_up_proj"
+    half = lambda h: (partial(T.split_gate_up, half=h),)  # noqa: E731
+    return [
+        Recipe(dst + "mlp/router", src + "mlp.gate.weight", (E, D), (T.transpose,)),
+        Recipe(dst + "mlp/gate", gate_up, (E, 2 * F, D), half(0)),
+        Recipe(dst + "mlp/up", gate_up, (E, 2 * F, D), half(1)),
+        Recipe(dst + "mlp/down", src + "mlp.experts.down_proj", (E, D, F), (T.transpose_experts,)),
+    ]
+
+
+def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP) -> list[Recipe]:
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     src, dst = f"model.layers.{i}.", f"layers/{i}/"
     heads_in = lambda n: (partial(T.split_heads_in, heads=n, head_dim=H),)  # noqa: E731
     r = [
@@ -77,10 +188,8 @@ def _hf_layer(c: ModelConfig, i: int) -> list[Recipe]:
         Recipe(dst + "attn/o", src + "self_attn.o_proj.weight", (D, N * H),
                (partial(T.split_heads_out, heads=N, head_dim=H),)),
         Recipe(dst + "mlp_norm", src + "post_attention_layernorm.weight", (D,)),
-        Recipe(dst + "mlp/gate", src + "mlp.gate_proj.weight", (F, D), (T.transpose,)),
-        Recipe(dst + "mlp/up", src + "mlp.up_proj.weight", (F, D), (T.transpose,)),
-        Recipe(dst + "mlp/down", src + "mlp.down_proj.weight", (D, F), (T.transpose,)),
     ]
+    r += (experts if c.is_moe_layer(i) else _hf_dense_mlp)(c, src, dst)
     if c.qkv_bias:
         for name, n in (("q", N), ("k", K), ("v", K)):
             r.append(Recipe(dst + f"attn/{name}_bias", src + f"self_attn.{name}_proj.bias", (n * H,),
@@ -93,21 +202,27 @@ def _hf_layer(c: ModelConfig, i: int) -> list[Recipe]:
     return r
 
 
-def hf_name_map(c: ModelConfig) -> NameMap:
-    """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2 and qwen3 families."""
+def _hf_recipes(c: ModelConfig, experts: LayerMLP) -> tuple[Recipe, ...]:
     D, V = c.hidden_size, c.vocab_size
     recipes = [Recipe("embed", "model.embed_tokens.weight", (V, D))]
     for i in range(c.num_layers):
-        recipes += _hf_layer(c, i)
+        recipes += _hf_layer(c, i, experts)
     recipes.append(Recipe("final_norm", "model.norm.weight", (D,)))
     if not c.tie_word_embeddings:
         recipes.append(Recipe("lm_head", "lm_head.weight", (V, D), (T.transpose,)))
+    return tuple(recipes)
+
+
+def hf_name_map(c: ModelConfig) -> NameMap:
+    """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral and
+    qwen3_moe families; MoE experts per expert, or fused as an alternative layout."""
 
     def ignored(name: str) -> bool:
         # A tied model may still carry a copy of the embedding as lm_head.weight: it is not read.
         return bool(_HF_IGNORED.search(name)) or (c.tie_word_embeddings and name == "lm_head.weight")
 
-    return NameMap(tuple(recipes), ignored)
+    fused = (_hf_recipes(c, _hf_fused_experts),) if c.moe is not None else ()
+    return NameMap(_hf_recipes(c, _hf_experts), ignored, fused)
 
 
 # --- GGUF (llama.cpp's "llama" architecture) ----------------------------------------------------
@@ -167,33 +282,35 @@ def plan(name_map: NameMap, source_names: Iterable[str], shape_of: Callable[[str
          where: str) -> tuple[Recipe, ...]:
     """Check a source against a map before reading any data; return the recipes to run.
 
-    Raises :class:`ConvertError` naming the first missing tensor, unexpected tensor or wrong
-    shape (in the source's own layout). ``where`` names the source in the messages.
+    Picks the map's layout that the source has (:meth:`NameMap.layout_for`). Raises
+    :class:`ConvertError` naming the first missing tensor, unexpected tensor or wrong shape (in
+    the source's own layout). ``where`` names the source in the messages.
     """
     names = set(source_names)
-    wanted = {r.source for r in name_map.recipes}
-    for r in name_map.recipes:
-        if r.source not in names:
+    recipes = name_map.layout_for(names)
+    wanted = source_tensors(recipes)
+    for name, r in wanted:
+        if name not in names:
             raise ConvertError(
-                f"{where} has no tensor '{r.source}' (needed for {r.target}); "
+                f"{where} has no tensor '{name}' (needed for {r.target}); "
                 "the checkpoint is incomplete or does not match its config"
             )
-    unexpected = sorted(n for n in names - wanted if not name_map.is_ignored(n))
+    unexpected = sorted(n for n in names - {name for name, _ in wanted} if not name_map.is_ignored(n))
     if unexpected:
         more = f" and {len(unexpected) - 1} more" if len(unexpected) > 1 else ""
         raise ConvertError(
             f"{where} has an unexpected tensor '{unexpected[0]}'{more}; dayzero does not know what it "
             "computes, so this checkpoint is not of the architecture its config declares"
         )
-    for r in name_map.recipes:
-        check_shape(r, tuple(shape_of(r.source)), where)
-    return name_map.recipes
+    for name, r in wanted:
+        check_shape(r, name, tuple(shape_of(name)), where)
+    return recipes
 
 
-def check_shape(recipe: Recipe, shape: tuple[int, ...], where: str) -> None:
+def check_shape(recipe: Recipe, source: str, shape: tuple[int, ...], where: str) -> None:
     """Raise :class:`ConvertError` if a source tensor does not have the shape the config implies."""
     if tuple(shape) != recipe.source_shape:
         raise ConvertError(
-            f"tensor '{recipe.source}' in {where} has shape {list(shape)}, expected "
+            f"tensor '{source}' in {where} has shape {list(shape)}, expected "
             f"{list(recipe.source_shape)} from the config; the config and the weights disagree"
         )

@@ -5,7 +5,9 @@ functions say *how* its values are rearranged. Each is a pure numpy function tha
 where it can; the streaming loop makes the one contiguous copy when it casts to the storage dtype.
 
 Source layouts: a PyTorch ``Linear`` weight is [out, in]; dayzero keeps the input dimension first
-(q [D,N,H], k/v [D,K,H], o [N,H,D], gate/up [D,F], down [F,D], lm_head [D,V]).
+(q [D,N,H], k/v [D,K,H], o [N,H,D], gate/up [D,F], down [F,D], lm_head [D,V]). Expert weights
+are stacked expert-major (gate/up [E,D,F], down [E,F,D]): per-expert tensors are transformed one
+at a time and stacked by the streaming loop; already stacked ones are transformed here.
 """
 
 from __future__ import annotations
@@ -54,3 +56,14 @@ def llama_cpp_unpermute(x: np.ndarray, heads: int) -> np.ndarray:
     half = rows // heads // 2
     return x.reshape(heads, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
+
+
+def transpose_experts(x: np.ndarray) -> np.ndarray:
+    """Stacked expert linear weights [E, out, in] -> [E, in, out]."""
+    return x.transpose(0, 2, 1)
+
+
+def split_gate_up(x: np.ndarray, half: int) -> np.ndarray:
+    """One half of HF's fused expert projection [E, 2F, D] (gate rows, then up rows) -> [E, D, F]."""
+    width = x.shape[1] // 2
+    return transpose_experts(x[:, half * width : (half + 1) * width])

@@ -25,6 +25,29 @@ class Family(enum.Enum):
     MISTRAL = "mistral"
     QWEN2 = "qwen2"
     QWEN3 = "qwen3"
+    MIXTRAL = "mixtral"
+    QWEN3_MOE = "qwen3_moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traits:
+    """What sets a family apart from plain Llama, as HF's implementation of it behaves."""
+
+    qkv_bias: bool = False  # q/k/v biases even when attention_bias is false (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head (Qwen3)
+    slides_by_default: bool = False  # sliding_window applies without use_sliding_window (Mistral)
+    windows_from_layer_0: bool = False  # a window applies to every layer; max_window_layers is not read
+    moe: bool = False  # sparse Mixture-of-Experts blocks (see MoEConfig)
+
+
+_TRAITS = {
+    Family.LLAMA: _Traits(),
+    Family.MISTRAL: _Traits(slides_by_default=True, windows_from_layer_0=True),
+    Family.QWEN2: _Traits(qkv_bias=True),
+    Family.QWEN3: _Traits(qk_norm=True),
+    Family.MIXTRAL: _Traits(slides_by_default=True, windows_from_layer_0=True, moe=True),
+    Family.QWEN3_MOE: _Traits(qk_norm=True, windows_from_layer_0=True, moe=True),
+}
 
 
 class RopeType(enum.Enum):
@@ -55,9 +78,64 @@ class RopeConfig:
     truncate: bool = True
 
 
+class RouterScore(enum.Enum):
+    """How a router turns its logits into per-expert scores (HF ``scoring_func`` names)."""
+
+    SOFTMAX = "softmax"  # over all E experts (Mixtral, Qwen3-MoE)
+    SIGMOID = "sigmoid"  # each expert on its own (DeepSeek-V3)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Sparse Mixture-of-Experts feed-forward blocks: E SwiGLU experts, C of them per token.
+
+    Routing (``dayzero.model.moe.route``): scores from the router logits; each token's C experts
+    are those with the largest score (+ the learned bias, when ``score_bias``), taken only from
+    its ``groups_per_token`` best expert groups when ``num_groups > 1``; their weights are the
+    scores without bias, renormalised to sum 1 if ``renormalize``, times ``routed_scaling``.
+    Mixtral and Qwen3-MoE use softmax scores and the defaults below; DeepSeek-V3 uses sigmoid
+    scores, a bias, groups, scaling and shared experts.
+    """
+
+    num_experts: int  # E
+    experts_per_token: int  # C
+    intermediate_size: int  # F of one expert
+    # Per decoder layer: True for a MoE block, False for the dense MLP of ModelConfig.
+    layers: tuple[bool, ...]
+    score: RouterScore = RouterScore.SOFTMAX
+    # Divide the C chosen weights by their sum (Mixtral always; Qwen3-MoE's norm_topk_prob).
+    renormalize: bool = True
+    score_bias: bool = False  # e_score_correction_bias: shifts the choice, not the weights
+    num_groups: int = 1  # n_group: experts split into this many equal groups
+    groups_per_token: int = 1  # topk_group: groups ranked by the sum of their two best scores
+    routed_scaling: float = 1.0  # routed_scaling_factor, applied to the routed experts' weights
+    shared_experts: int = 0  # n_shared_experts: a dense SwiGLU of width shared_experts * F added
+
+    def __post_init__(self):
+        if not 1 <= self.experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.experts_per_token} must be between 1 and the number of "
+                f"experts ({self.num_experts}); fix the config"
+            )
+        group = self.num_experts // self.num_groups if self.num_groups > 0 else 0
+        if self.num_groups < 1 or self.num_experts % self.num_groups or (self.num_groups > 1 and group < 2):
+            raise ConfigError(
+                f"n_group={self.num_groups} must split the {self.num_experts} experts into equal groups "
+                "of at least 2 (a group is ranked by its two best scores)"
+            )
+        if not 1 <= self.groups_per_token <= self.num_groups or self.experts_per_token > self.groups_per_token * group:
+            raise ConfigError(
+                f"topk_group={self.groups_per_token} must be between 1 and n_group={self.num_groups}, and "
+                f"its groups must hold num_experts_per_tok={self.experts_per_token} experts"
+            )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a dense decoder-only transformer (dimension letters as in DESIGN.md)."""
+    """Architecture of a decoder-only transformer (dimension letters as in DESIGN.md).
+
+    ``intermediate_size`` is the width of the dense MLP; layers that ``moe`` marks use experts.
+    """
 
     family: Family
     vocab_size: int  # V
@@ -78,6 +156,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -91,12 +170,20 @@ class ModelConfig:
             raise ConfigError(
                 f"{len(self.sliding_windows)} layer types given for {self.num_layers} layers"
             )
+        if self.moe is not None and len(self.moe.layers) != self.num_layers:
+            raise ConfigError(f"{len(self.moe.layers)} MoE layer flags given for {self.num_layers} layers")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` has a Mixture-of-Experts block instead of the dense MLP."""
+        return self.moe is not None and self.moe.layers[i]
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-serialisable dict that :meth:`from_json` reads back exactly."""
         d = dataclasses.asdict(self)
         d["family"] = self.family.value
         d["rope"]["type"] = self.rope.type.value
+        if self.moe is not None:
+            d["moe"]["score"] = self.moe.score.value
         return d
 
     @classmethod
@@ -105,11 +192,15 @@ class ModelConfig:
         d = dict(d)
         rope = dict(d.pop("rope"))
         rope["type"] = RopeType(rope["type"])
+        moe = d.pop("moe", None)
+        if moe is not None:
+            moe = MoEConfig(**{**moe, "score": RouterScore(moe["score"]), "layers": tuple(moe["layers"])})
         return cls(
             family=Family(d.pop("family")),
             rope=RopeConfig(**rope),
             sliding_windows=tuple(d.pop("sliding_windows")),
             eos_token_ids=tuple(d.pop("eos_token_ids")),
+            moe=moe,
             **d,
         )
 
@@ -191,14 +282,16 @@ def _parse_rope(r: _Reader, head_dim: int, max_pos: int) -> RopeConfig:
 
 
 def _sliding_windows(r: _Reader, family: Family, num_layers: int) -> tuple[int | None, ...]:
+    traits = _TRAITS[family]
     window = r.get("sliding_window")
     layer_types = r.get("layer_types")
-    use_sliding = r.get("use_sliding_window", family is Family.MISTRAL)
+    use_sliding = r.get("use_sliding_window", traits.slides_by_default)
+    # Read (so never reported as unhandled) even where HF ignores it: see windows_from_layer_0.
     max_window_layers = r.get("max_window_layers", num_layers)
+    first_sliding = 0 if traits.windows_from_layer_0 else max_window_layers
     if layer_types is None:
         layer_types = [
-            "sliding_attention" if use_sliding and window and i >= (0 if family is Family.MISTRAL else max_window_layers)
-            else "full_attention"
+            "sliding_attention" if use_sliding and window and i >= first_sliding else "full_attention"
             for i in range(num_layers)
         ]
     windows = []
@@ -212,6 +305,55 @@ def _sliding_windows(r: _Reader, family: Family, num_layers: int) -> tuple[int |
         else:
             raise ConfigError(f"unsupported layer type '{kind}' in layer_types")
     return tuple(windows)
+
+
+# MoE keys that only matter for training; reading them changes nothing at inference.
+_MOE_TRAINING_ONLY = {
+    "router_aux_loss_coef": "weight of the load-balancing loss",
+    "output_router_logits": "returns router logits for that loss; the tokens' logits are unchanged",
+    "router_jitter_noise": "multiplicative noise HF applies to the router input in training mode only",
+}
+
+
+def _num_experts(r: _Reader) -> int:
+    """E: Mixtral's ``num_local_experts``; Qwen's ``num_experts`` (transformers 5 writes the former)."""
+    local, named = r.get("num_local_experts"), r.get("num_experts")
+    if local is not None and named is not None and local != named:
+        raise ConfigError(f"num_local_experts={local} and num_experts={named} disagree; keep one of them")
+    value = local if local is not None else named
+    if value is None:
+        raise ConfigError("config.json has neither 'num_local_experts' nor 'num_experts', which a MoE model needs")
+    return int(value)
+
+
+def _qwen_moe_layers(r: _Reader, num_layers: int) -> tuple[bool, ...]:
+    """HF Qwen3-MoE: layer i is sparse iff (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
+
+    Stricter than HF, which divides by a zero step and silently skips out-of-range indices.
+    """
+    step = r.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step={step!r} must be a positive integer")
+    dense = r.get("mlp_only_layers", [])
+    bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"mlp_only_layers has {bad}, not layer indices of a {num_layers}-layer model")
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+def _parse_moe(r: _Reader, family: Family, num_layers: int) -> MoEConfig | None:
+    """The experts of a MoE family (None for dense families, whose configs may not use these keys)."""
+    if not _TRAITS[family].moe:
+        return None
+    r.seen.update(_MOE_TRAINING_ONLY)
+    num_experts = _num_experts(r)
+    top_k = int(r.require("num_experts_per_tok"))
+    if family is Family.MIXTRAL:  # every layer sparse, experts as wide as intermediate_size
+        return MoEConfig(num_experts, top_k, int(r.require("intermediate_size")), (True,) * num_layers)
+    return MoEConfig(
+        num_experts, top_k, int(r.require("moe_intermediate_size")), _qwen_moe_layers(r, num_layers),
+        renormalize=bool(r.get("norm_topk_prob", False)),
+    )
 
 
 def _token_ids(value: Any) -> tuple[int, ...]:
@@ -241,7 +383,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     head_dim = int(r.get("head_dim", hidden // num_heads))
     max_pos = int(r.get("max_position_embeddings", 2048))
     attention_bias = bool(r.get("attention_bias", False))
-    qkv_bias = attention_bias or family is Family.QWEN2
+    traits = _TRAITS[family]
     config = ModelConfig(
         family=family,
         vocab_size=int(r.require("vocab_size")),
@@ -255,12 +397,13 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         max_position_embeddings=max_pos,
         rope=_parse_rope(r, head_dim, max_pos),
         tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
-        qkv_bias=qkv_bias,
+        qkv_bias=attention_bias or traits.qkv_bias,
         o_bias=attention_bias,
-        qk_norm=family is Family.QWEN3,
+        qk_norm=traits.qk_norm,
         sliding_windows=_sliding_windows(r, family, num_layers),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
+        moe=_parse_moe(r, family, num_layers),
     )
     leftover = r.leftover()
     if leftover:

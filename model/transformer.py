@@ -20,8 +20,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from dayzero.model.config import ModelConfig
+from dayzero.model.moe import moe, swiglu
 from dayzero.model.rope import apply_rope, rope_cos_sin
-from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, Weights
+from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
 
 
 @struct.dataclass
@@ -66,10 +67,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:
-    """SwiGLU: down(silu(gate x) * up x)."""
-    gate = jnp.einsum("btd,df->btf", x, w.gate)
-    up = jnp.einsum("btd,df->btf", x, w.up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w.down)
+    """The dense SwiGLU MLP: down(silu(gate x) * up x)."""
+    return swiglu(x, w.gate, w.up, w.down)
 
 
 def attention_masks(
@@ -179,11 +178,13 @@ def decoder_layer(
     v_cache: jax.Array | None,
     masks: tuple[jax.Array | None, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-norm residual block: attention then SwiGLU MLP; also returns the new keys/values."""
+    """Pre-norm residual block: attention then SwiGLU MLP or MoE; also returns the new keys/values."""
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
     attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
     x = x + attn_out
-    x = x + mlp(w.mlp, rms_norm(x, w.mlp_norm, config.rms_norm_eps))
+    h = rms_norm(x, w.mlp_norm, config.rms_norm_eps)
+    # The weight tree's type per layer follows config.moe.layers (see weights._layer_specs).
+    x = x + (moe(w.mlp, config.moe, h) if isinstance(w.mlp, MoEWeights) else mlp(w.mlp, h))
     return x, k, v
 
 

@@ -69,13 +69,25 @@ class MLPWeights:
 
 
 @struct.dataclass
+class MoEWeights:
+    """Mixture-of-Experts block: router [D,E]; experts stacked expert-major, gate/up [E,D,F], down [E,F,D]."""
+
+    router: Any
+    gate: Any
+    up: Any
+    down: Any
+    score_bias: Any = None  # [E], added to the scores for the choice only (DeepSeek-V3)
+    shared: MLPWeights | None = None  # always-on experts as one SwiGLU [D, S*F] (DeepSeek-V3)
+
+
+@struct.dataclass
 class LayerWeights:
-    """One decoder layer: pre-norm attention then pre-norm MLP."""
+    """One decoder layer: pre-norm attention then a pre-norm dense MLP or MoE block."""
 
     attn_norm: Any
     attn: AttentionWeights
     mlp_norm: Any
-    mlp: MLPWeights
+    mlp: MLPWeights | MoEWeights
 
 
 @struct.dataclass
@@ -105,17 +117,36 @@ def _attention_specs(c: ModelConfig) -> AttentionWeights:
     )
 
 
-def _layer_specs(c: ModelConfig) -> LayerWeights:
-    D, F = c.hidden_size, c.intermediate_size
+def _mlp_specs(c: ModelConfig, F: int) -> MLPWeights:
+    D = c.hidden_size
+    return MLPWeights(
+        gate=ParamSpec((D, F), ("embed", "ffw")),
+        up=ParamSpec((D, F), ("embed", "ffw")),
+        down=ParamSpec((F, D), ("ffw", "embed")),
+    )
+
+
+def _moe_specs(c: ModelConfig) -> MoEWeights:
+    D, E, F = c.hidden_size, c.moe.num_experts, c.moe.intermediate_size
+    shared = c.moe.shared_experts
+    return MoEWeights(
+        # The router's expert axis is left unsharded: every token needs all E scores for its top-k.
+        router=ParamSpec((D, E), ("embed", None)),
+        gate=ParamSpec((E, D, F), ("experts", "embed", "ffw")),
+        up=ParamSpec((E, D, F), ("experts", "embed", "ffw")),
+        down=ParamSpec((E, F, D), ("experts", "ffw", "embed")),
+        score_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.score_bias else None,
+        shared=_mlp_specs(c, shared * F) if shared else None,
+    )
+
+
+def _layer_specs(c: ModelConfig, i: int) -> LayerWeights:
+    D = c.hidden_size
     return LayerWeights(
         attn_norm=ParamSpec((D,), ("embed",), Init.ONES),
         attn=_attention_specs(c),
         mlp_norm=ParamSpec((D,), ("embed",), Init.ONES),
-        mlp=MLPWeights(
-            gate=ParamSpec((D, F), ("embed", "ffw")),
-            up=ParamSpec((D, F), ("embed", "ffw")),
-            down=ParamSpec((F, D), ("ffw", "embed")),
-        ),
+        mlp=_moe_specs(c) if c.is_moe_layer(i) else _mlp_specs(c, c.intermediate_size),
     )
 
 
@@ -124,7 +155,7 @@ def abstract_weights(config: ModelConfig) -> Weights:
     D, V = config.hidden_size, config.vocab_size
     return Weights(
         embed=ParamSpec((V, D), ("vocab", "embed")),
-        layers=tuple(_layer_specs(config) for _ in range(config.num_layers)),
+        layers=tuple(_layer_specs(config, i) for i in range(config.num_layers)),
         final_norm=ParamSpec((D,), ("embed",), Init.ONES),
         lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
     )
