@@ -35,6 +35,7 @@ from dayzero.convert import verify_checkpoint
 from dayzero.convert.checkpoint import MANIFEST, file_sha256, read_manifest
 from dayzero.convert.convert import STORAGE_DTYPES
 from dayzero.convert.errors import ConvertError
+from dayzero.convert.name_map import source_tensors
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, TorchReader
 from dayzero.convert.sources import TORCH_SUFFIXES, open_source
 from dayzero.model.config import ConfigError, parse_hf_config
@@ -188,15 +189,18 @@ def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
         return {"config": None}, [f"config: {e}"]
     reader = source.reader
     names = set(reader.keys())
-    wanted = {r.source for r in name_map.recipes}
-    missing = [r.source for r in name_map.recipes if r.source not in names]
+    # The layout the checkpoint has (per-expert or fused MoE tensors), as the converter picks it.
+    pairs = source_tensors(name_map.layout_for(names))
+    wanted = {name for name, _ in pairs}
+    present = [(name, r) for name, r in pairs if name in names]
+    missing = [name for name, _ in pairs if name not in names]
     unexpected = sorted(n for n in names - wanted if not name_map.is_ignored(n))
     wrong_shape = [
-        f"tensor '{r.source}' has shape {list(reader.shape(r.source))}, expected {list(r.source_shape)}"
-        for r in name_map.recipes if r.source in names and tuple(reader.shape(r.source)) != r.source_shape
+        f"tensor '{name}' has shape {list(reader.shape(name))}, expected {list(r.source_shape)}"
+        for name, r in present if tuple(reader.shape(name)) != r.source_shape
     ]
-    not_float = [f"tensor '{r.source}' has dtype {reader.dtype(r.source)}, which conversion does not accept"
-                 for r in name_map.recipes if r.source in names and not _is_floating(np.dtype(reader.dtype(r.source)))]
+    not_float = [f"tensor '{name}' has dtype {reader.dtype(name)}, which conversion does not accept"
+                 for name, _ in present if not _is_floating(np.dtype(reader.dtype(name)))]
     info = {"config": f"{config.family.value}, {config.num_layers} layers", "expected": len(wanted),
             "present": len(names), "missing": missing, "unexpected": unexpected,
             "wrong_shape": wrong_shape, "not_float": not_float}

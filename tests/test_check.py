@@ -176,3 +176,19 @@ def test_bad_inputs(good, capsys, tmp_path):
     (tmp_path / "sums").write_text("not a hash line\n")
     code, _, err = run(capsys, good, "--sha256-file", tmp_path / "sums")
     assert code == 2 and "line 1 of" in err
+
+
+def test_moe_checkpoint_passes_and_a_missing_expert_is_named(tmp_path, capsys):
+    """Per-expert MoE tensors are read through the converter's layout choice, expert by expert."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    moe = dict(CONFIG, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    path = tmp_path / "mixtral"
+    MixtralForCausalLM(MixtralConfig(**moe)).eval().save_pretrained(path)
+    code, out, err = run(capsys, path)
+    assert code == 0, out + err
+    victim = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+    edit_tensors(path, lambda t: t.pop(victim))
+    code, out, _ = run(capsys, path)
+    assert code == 1 and f"missing tensor '{victim}'" in out
