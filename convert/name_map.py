@@ -141,7 +141,23 @@ class _ExpertNames:
 _PER_EXPERT_NAMES = {
     Family.MIXTRAL: _ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
     Family.QWEN3_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    Family.DEEPSEEK_V3: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    Family.KIMI_K2: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
 }
+
+
+def _deepseek_router_extras(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """DeepSeek-V3's selection bias ``mlp.gate.e_score_correction_bias`` and shared experts,
+    stored alike in the per-expert and fused layouts."""
+    r = []
+    if c.moe.score_bias:
+        r.append(Recipe(dst + "mlp/score_bias", src + "mlp.gate.e_score_correction_bias", (c.moe.num_experts,)))
+    if c.moe.shared_experts:
+        D, F = c.hidden_size, c.moe.shared_experts * c.moe.intermediate_size
+        for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
+            r.append(Recipe(dst + f"mlp/shared/{name}", src + f"mlp.shared_experts.{name}_proj.weight", shape,
+                            (T.transpose,)))
+    return r
 
 
 def _hf_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
@@ -158,7 +174,7 @@ def _hf_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
         Recipe(dst + "mlp/gate", per_expert(n.gate), (F, D), (T.transpose,), Combine.STACK),
         Recipe(dst + "mlp/up", per_expert(n.up), (F, D), (T.transpose,), Combine.STACK),
         Recipe(dst + "mlp/down", per_expert(n.down), (D, F), (T.transpose,), Combine.STACK),
-    ]
+    ] + _deepseek_router_extras(c, src, dst)
 
 
 def _hf_fused_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
@@ -173,23 +189,44 @@ def _hf_fused_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
         Recipe(dst + "mlp/gate", gate_up, (E, 2 * F, D), half(0)),
         Recipe(dst + "mlp/up", gate_up, (E, 2 * F, D), half(1)),
         Recipe(dst + "mlp/down", src + "mlp.experts.down_proj", (E, D, F), (T.transpose_experts,)),
+    ] + _deepseek_router_extras(c, src, dst)
+
+
+def _hf_mla(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """HF deepseek_v3 latent attention: q_a_proj/q_a_layernorm/q_b_proj (or q_proj),
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj (split into k_up and v_up), o_proj."""
+    m, D, N = c.mla, c.hidden_size, c.num_heads
+    Q, L, P, R, V = m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_head_dim
+    attn = src + "self_attn."
+    heads_in = (partial(T.split_heads_in, heads=N, head_dim=P + R),)
+    kv_b = lambda part: (partial(T.split_kv_up, heads=N, nope_dim=P, part=part),)  # noqa: E731
+    r = [
+        Recipe(dst + "attn/kv_a", attn + "kv_a_proj_with_mqa.weight", (L + R, D), (T.transpose,)),
+        Recipe(dst + "attn/kv_a_norm", attn + "kv_a_layernorm.weight", (L,)),
+        Recipe(dst + "attn/k_up", attn + "kv_b_proj.weight", (N * (P + V), L), kv_b(0)),
+        Recipe(dst + "attn/v_up", attn + "kv_b_proj.weight", (N * (P + V), L), kv_b(1)),
+        Recipe(dst + "attn/o", attn + "o_proj.weight", (D, N * V), (partial(T.split_heads_out, heads=N, head_dim=V),)),
+    ]
+    if Q is None:
+        return r + [Recipe(dst + "attn/q", attn + "q_proj.weight", (N * (P + R), D), heads_in)]
+    return r + [
+        Recipe(dst + "attn/q_a", attn + "q_a_proj.weight", (Q, D), (T.transpose,)),
+        Recipe(dst + "attn/q_a_norm", attn + "q_a_layernorm.weight", (Q,)),
+        Recipe(dst + "attn/q_b", attn + "q_b_proj.weight", (N * (P + R), Q), heads_in),
     ]
 
 
-def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP) -> list[Recipe]:
+def _hf_gqa(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """HF q/k/v/o projections, with the biases and q/k norms the family has."""
     D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-    src, dst = f"model.layers.{i}.", f"layers/{i}/"
     heads_in = lambda n: (partial(T.split_heads_in, heads=n, head_dim=H),)  # noqa: E731
     r = [
-        Recipe(dst + "attn_norm", src + "input_layernorm.weight", (D,)),
         Recipe(dst + "attn/q", src + "self_attn.q_proj.weight", (N * H, D), heads_in(N)),
         Recipe(dst + "attn/k", src + "self_attn.k_proj.weight", (K * H, D), heads_in(K)),
         Recipe(dst + "attn/v", src + "self_attn.v_proj.weight", (K * H, D), heads_in(K)),
         Recipe(dst + "attn/o", src + "self_attn.o_proj.weight", (D, N * H),
                (partial(T.split_heads_out, heads=N, head_dim=H),)),
-        Recipe(dst + "mlp_norm", src + "post_attention_layernorm.weight", (D,)),
     ]
-    r += (experts if c.is_moe_layer(i) else _hf_dense_mlp)(c, src, dst)
     if c.qkv_bias:
         for name, n in (("q", N), ("k", K), ("v", K)):
             r.append(Recipe(dst + f"attn/{name}_bias", src + f"self_attn.{name}_proj.bias", (n * H,),
@@ -200,6 +237,15 @@ def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP) -> list[Recipe]:
         r.append(Recipe(dst + "attn/q_norm", src + "self_attn.q_norm.weight", (H,)))
         r.append(Recipe(dst + "attn/k_norm", src + "self_attn.k_norm.weight", (H,)))
     return r
+
+
+def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP) -> list[Recipe]:
+    D = c.hidden_size
+    src, dst = f"model.layers.{i}.", f"layers/{i}/"
+    r = [Recipe(dst + "attn_norm", src + "input_layernorm.weight", (D,))]
+    r += (_hf_mla if c.mla is not None else _hf_gqa)(c, src, dst)
+    r.append(Recipe(dst + "mlp_norm", src + "post_attention_layernorm.weight", (D,)))
+    return r + (experts if c.is_moe_layer(i) else _hf_dense_mlp)(c, src, dst)
 
 
 def _hf_recipes(c: ModelConfig, experts: LayerMLP) -> tuple[Recipe, ...]:
@@ -213,13 +259,25 @@ def _hf_recipes(c: ModelConfig, experts: LayerMLP) -> tuple[Recipe, ...]:
     return tuple(recipes)
 
 
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
+    """DeepSeek-V3's multi-token-prediction modules, stored as layers num_layers and up: plain
+    decoding never runs them (speculative decoding with them is not implemented)."""
+    match = _LAYER_INDEX.match(name)
+    return bool(match) and c.num_layers <= int(match.group(1)) < c.num_layers + c.mtp_layers
+
+
 def hf_name_map(c: ModelConfig) -> NameMap:
-    """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral and
-    qwen3_moe families; MoE experts per expert, or fused as an alternative layout."""
+    """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral,
+    qwen3_moe, deepseek_v3 and kimi_k2 families; MoE experts per expert, or fused as an
+    alternative layout."""
 
     def ignored(name: str) -> bool:
         # A tied model may still carry a copy of the embedding as lm_head.weight: it is not read.
-        return bool(_HF_IGNORED.search(name)) or (c.tie_word_embeddings and name == "lm_head.weight")
+        return (bool(_HF_IGNORED.search(name)) or (c.tie_word_embeddings and name == "lm_head.weight")
+                or _is_mtp_tensor(c, name))
 
     fused = (_hf_recipes(c, _hf_fused_experts),) if c.moe is not None else ()
     return NameMap(_hf_recipes(c, _hf_experts), ignored, fused)

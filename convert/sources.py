@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 from dayzero.convert.errors import ConvertError
+from dayzero.convert.fp8 import Fp8DequantReader
 from dayzero.convert.gguf_config import hf_config_from_gguf
 from dayzero.convert.name_map import NameMap, gguf_name_map, hf_name_map
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, ShardedReader, TorchReader, TensorReader
 from dayzero.convert.tokenizer_export import copy_hf_tokenizer, write_gguf_tokenizer
-from dayzero.model.config import ModelConfig
+from dayzero.model.config import ConfigError, ModelConfig, fp8_block_size
 
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
@@ -85,6 +86,15 @@ def _hf_dir_reader(directory: Path) -> tuple[str, TensorReader]:
     )
 
 
+def _dequantizing(reader: TensorReader, hf_config: dict[str, Any], where: Path) -> TensorReader:
+    """The reader itself, or for a block-FP8 checkpoint one that dequantizes while reading."""
+    try:
+        block = fp8_block_size(hf_config)
+    except ConfigError as e:
+        raise ConvertError(f"{where}: {e}") from None
+    return reader if block is None else Fp8DequantReader(reader, block, str(where))
+
+
 def open_source(src: Path) -> Source:
     """Open ``src`` for conversion, or raise :class:`ConvertError` saying what it should be."""
     if not src.exists():
@@ -92,7 +102,7 @@ def open_source(src: Path) -> Source:
     if src.is_dir():
         hf_config = _read_json(src / "config.json", "an HF model directory needs its config.json")
         fmt, reader = _hf_dir_reader(src)
-        return Source(src, fmt, reader, hf_config, src)
+        return Source(src, fmt, _dequantizing(reader, hf_config, src), hf_config, src)
     if src.suffix == ".gguf":
         reader = GGUFTensorReader(src)
         hf_config = hf_config_from_gguf(
@@ -110,7 +120,7 @@ def open_source(src: Path) -> Source:
             src.parent / "config.json",
             f"a PyTorch state dict needs the model's HF config.json in the same directory as {src.name}",
         )
-        return Source(src, "torch", TorchReader(src), hf_config, src.parent)
+        return Source(src, "torch", _dequantizing(TorchReader(src), hf_config, src), hf_config, src.parent)
     raise ConvertError(
         f"cannot tell what {src} is from its name; pass an HF model directory, a .bin/.pt/.pth or a .gguf file"
     )

@@ -67,3 +67,11 @@ def split_gate_up(x: np.ndarray, half: int) -> np.ndarray:
     """One half of HF's fused expert projection [E, 2F, D] (gate rows, then up rows) -> [E, D, F]."""
     width = x.shape[1] // 2
     return transpose_experts(x[:, half * width : (half + 1) * width])
+
+
+def split_kv_up(x: np.ndarray, heads: int, nope_dim: int, part: int) -> np.ndarray:
+    """One half of MLA's ``kv_b_proj`` [heads*(P+V), L] (per head: P key rows, then V value rows)
+    -> the key up-projection [L, heads, P] (``part`` 0) or the value one [L, heads, V] (1)."""
+    per_head = x.reshape(heads, -1, x.shape[1])
+    rows = per_head[:, :nope_dim] if part == 0 else per_head[:, nope_dim:]
+    return rows.transpose(2, 0, 1)

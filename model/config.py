@@ -27,6 +27,8 @@ class Family(enum.Enum):
     QWEN3 = "qwen3"
     MIXTRAL = "mixtral"
     QWEN3_MOE = "qwen3_moe"
+    DEEPSEEK_V3 = "deepseek_v3"
+    KIMI_K2 = "kimi_k2"  # Kimi-K2 publishes the DeepSeek-V3 architecture under its own name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +40,7 @@ class _Traits:
     slides_by_default: bool = False  # sliding_window applies without use_sliding_window (Mistral)
     windows_from_layer_0: bool = False  # a window applies to every layer; max_window_layers is not read
     moe: bool = False  # sparse Mixture-of-Experts blocks (see MoEConfig)
+    mla: bool = False  # multi-head latent attention and DeepSeek-V3 routing (see MLAConfig)
 
 
 _TRAITS = {
@@ -47,7 +50,17 @@ _TRAITS = {
     Family.QWEN3: _Traits(qk_norm=True),
     Family.MIXTRAL: _Traits(slides_by_default=True, windows_from_layer_0=True, moe=True),
     Family.QWEN3_MOE: _Traits(qk_norm=True, windows_from_layer_0=True, moe=True),
+    Family.DEEPSEEK_V3: _Traits(moe=True, mla=True),
+    Family.KIMI_K2: _Traits(moe=True, mla=True),
 }
+
+
+class AttentionKind(enum.Enum):
+    """Which attention block a model's layers use (``dayzero.model.transformer.attention_block``
+    or ``dayzero.model.mla.mla_block``)."""
+
+    GQA = "gqa"  # grouped-query attention over per-head keys/values (MHA and MQA included)
+    MLA = "mla"  # multi-head latent attention: one compressed latent per token (DeepSeek-V3)
 
 
 class RopeType(enum.Enum):
@@ -131,6 +144,26 @@ class MoEConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2), dimension letters as in DESIGN.md.
+
+    Queries: x -> [q_lora_rank, RMSNorm] -> N heads of nope_dim + rope_dim (directly from x when
+    ``q_lora_rank`` is None). Keys/values: x -> a latent of L = ``kv_lora_rank`` (RMSNorm'd) plus
+    one rope key of R = ``rope_dim`` shared by all heads; per head, the key is (k_up latent, rope
+    key) and the value is v_up latent. Only the latent and the rope key are cached.
+    """
+
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int  # L
+    nope_dim: int  # qk_nope_head_dim: the part of each q/k head without position
+    rope_dim: int  # R, qk_rope_head_dim: the rotary part, its key shared by all heads
+    v_head_dim: int
+    # DeepSeek's checkpoints keep each rotary pair adjacent (x0, x1), (x2, x3), ... (HF's
+    # rope_interleave); False: the half-split pairs of Llama.
+    rope_interleave: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer (dimension letters as in DESIGN.md).
 
@@ -157,6 +190,11 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None
+    attention: AttentionKind = AttentionKind.GQA
+    mla: MLAConfig | None = None  # set iff attention is MLA; head_dim is then its rope_dim
+    # Multi-token-prediction modules stored after the last layer (DeepSeek-V3's
+    # num_nextn_predict_layers): plain decoding never runs them, the converter skips their tensors.
+    mtp_layers: int = 0
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -170,6 +208,8 @@ class ModelConfig:
             raise ConfigError(
                 f"{len(self.sliding_windows)} layer types given for {self.num_layers} layers"
             )
+        if (self.mla is not None) != (self.attention is AttentionKind.MLA):
+            raise ConfigError(f"attention={self.attention.value} needs mla settings iff it is MLA")
         if self.moe is not None and len(self.moe.layers) != self.num_layers:
             raise ConfigError(f"{len(self.moe.layers)} MoE layer flags given for {self.num_layers} layers")
 
@@ -182,6 +222,7 @@ class ModelConfig:
         d = dataclasses.asdict(self)
         d["family"] = self.family.value
         d["rope"]["type"] = self.rope.type.value
+        d["attention"] = self.attention.value
         if self.moe is not None:
             d["moe"]["score"] = self.moe.score.value
         return d
@@ -192,6 +233,8 @@ class ModelConfig:
         d = dict(d)
         rope = dict(d.pop("rope"))
         rope["type"] = RopeType(rope["type"])
+        mla = d.pop("mla", None)
+        attention = AttentionKind(d.pop("attention", AttentionKind.GQA.value))
         moe = d.pop("moe", None)
         if moe is not None:
             moe = MoEConfig(**{**moe, "score": RouterScore(moe["score"]), "layers": tuple(moe["layers"])})
@@ -201,6 +244,8 @@ class ModelConfig:
             sliding_windows=tuple(d.pop("sliding_windows")),
             eos_token_ids=tuple(d.pop("eos_token_ids")),
             moe=moe,
+            attention=attention,
+            mla=None if mla is None else MLAConfig(**mla),
             **d,
         )
 
@@ -341,11 +386,90 @@ def _qwen_moe_layers(r: _Reader, num_layers: int) -> tuple[bool, ...]:
     return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
 
 
+# DeepSeek-V3 / Kimi-K2 keys that only matter for training or for a parallel layout.
+_DEEPSEEK_TRAINING_ONLY = {
+    "aux_loss_alpha": "weight of the auxiliary balance loss",
+    "seq_aux": "computes that loss per sequence",
+    "ep_size": "expert-parallel world size of the reference code; the math is the same on any layout",
+}
+
+
+def _deepseek_moe_layers(r: _Reader, num_layers: int) -> tuple[bool, ...]:
+    """Layers ``first_k_dense_replace`` and up are sparse. DeepSeek's own code also requires
+    ``i % moe_layer_freq == 0`` while HF's ignores it: only 1, where both agree, is accepted."""
+    first_dense = r.get("first_k_dense_replace", 0)
+    if not isinstance(first_dense, int) or not 0 <= first_dense <= num_layers:
+        raise ConfigError(f"first_k_dense_replace={first_dense!r} must be between 0 and num_hidden_layers={num_layers}")
+    if r.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(
+            f"moe_layer_freq={r.raw['moe_layer_freq']!r} is not supported (DeepSeek's reference code and HF "
+            "disagree on it); only 1 is"
+        )
+    return tuple(i >= first_dense for i in range(num_layers))
+
+
+def _deepseek_moe(r: _Reader, num_layers: int) -> MoEConfig:
+    """DeepSeek-V3 routing: sigmoid scores, a selection bias (noaux_tc), group-limited top-k."""
+    r.seen.update(_DEEPSEEK_TRAINING_ONLY)
+    for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if r.get(key, allowed) != allowed:
+            raise ConfigError(f"{key}={r.raw[key]!r} is not supported for {r.raw['model_type']}; only {allowed!r} is")
+    return MoEConfig(
+        int(r.require("n_routed_experts")), int(r.require("num_experts_per_tok")),
+        int(r.require("moe_intermediate_size")), _deepseek_moe_layers(r, num_layers),
+        score=RouterScore.SIGMOID, renormalize=bool(r.get("norm_topk_prob", False)), score_bias=True,
+        num_groups=int(r.get("n_group", 1)), groups_per_token=int(r.get("topk_group", 1)),
+        routed_scaling=float(r.get("routed_scaling_factor", 1.0)), shared_experts=int(r.get("n_shared_experts", 0)),
+    )
+
+
+def _parse_mla(r: _Reader, num_heads: int) -> MLAConfig:
+    """Latent attention sizes; HF's derived ``head_dim`` / ``qk_head_dim`` must agree with them."""
+    mla = MLAConfig(
+        q_lora_rank=None if r.get("q_lora_rank") is None else int(r.raw["q_lora_rank"]),
+        kv_lora_rank=int(r.require("kv_lora_rank")),
+        nope_dim=int(r.require("qk_nope_head_dim")),
+        rope_dim=int(r.require("qk_rope_head_dim")),
+        v_head_dim=int(r.require("v_head_dim")),
+        rope_interleave=bool(r.get("rope_interleave", True)),
+    )
+    derived = {"head_dim": mla.rope_dim, "qk_head_dim": mla.nope_dim + mla.rope_dim, "num_key_value_heads": num_heads}
+    for key, expected in derived.items():
+        if r.get(key, expected) != expected:
+            raise ConfigError(f"{key}={r.raw[key]!r} contradicts the latent attention sizes, which imply {expected}")
+    if r.get("attention_bias", False):
+        raise ConfigError("attention_bias=true is not supported for latent attention")
+    return mla
+
+
+def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
+    """The [out, in] block of a fine-grained FP8 checkpoint's ``quantization_config`` (None: none).
+
+    Only DeepSeek's scheme is accepted: float8_e4m3fn weights with one ``weight_scale_inv`` per
+    block; dynamic activation scales concern FP8 matmuls, not the dequantized weights.
+    """
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    q = {k: v for k, v in q.items() if k != "modules_to_not_convert"}  # the converter sees which are FP8
+    block = q.pop("weight_block_size", None)
+    expected = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if any(q.get(k, v) != v for k, v in expected.items()) or set(q) - set(expected) or not (
+            isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(
+            f"quantization_config {raw['quantization_config']!r} is not supported; only block-wise FP8 "
+            "(quant_method 'fp8', fmt 'e4m3', weight_block_size [out, in]) is"
+        )
+    return int(block[0]), int(block[1])
+
+
 def _parse_moe(r: _Reader, family: Family, num_layers: int) -> MoEConfig | None:
     """The experts of a MoE family (None for dense families, whose configs may not use these keys)."""
     if not _TRAITS[family].moe:
         return None
     r.seen.update(_MOE_TRAINING_ONLY)
+    if _TRAITS[family].mla:
+        return _deepseek_moe(r, num_layers)
     num_experts = _num_experts(r)
     top_k = int(r.require("num_experts_per_tok"))
     if family is Family.MIXTRAL:  # every layer sparse, experts as wide as intermediate_size
@@ -380,10 +504,17 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     hidden = int(r.require("hidden_size"))
     num_heads = int(r.require("num_attention_heads"))
     num_layers = int(r.require("num_hidden_layers"))
-    head_dim = int(r.get("head_dim", hidden // num_heads))
+    traits = _TRAITS[family]
+    mla = _parse_mla(r, num_heads) if traits.mla else None
+    # RoPE covers the whole head, or with latent attention only its rotary part.
+    head_dim = mla.rope_dim if mla else int(r.get("head_dim", hidden // num_heads))
     max_pos = int(r.get("max_position_embeddings", 2048))
     attention_bias = bool(r.get("attention_bias", False))
-    traits = _TRAITS[family]
+    r.seen.add("quantization_config")
+    fp8_block_size(raw)  # validated here, applied by the converter's reader
+    if traits.mla:
+        # Code pointers of the hub's remote implementation, which dayzero never runs.
+        r.seen.add("auto_map")
     config = ModelConfig(
         family=family,
         vocab_size=int(r.require("vocab_size")),
@@ -404,6 +535,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         moe=_parse_moe(r, family, num_layers),
+        attention=AttentionKind.MLA if mla else AttentionKind.GQA,
+        mla=mla,
+        mtp_layers=int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.mla else 0,
     )
     leftover = r.leftover()
     if leftover:

@@ -36,7 +36,8 @@ def _llama3_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 for a context stretched ``scale`` times."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -45,8 +46,8 @@ def yarn_attention_factor(rope: RopeConfig) -> float:
     if rope.attention_factor is not None:
         return float(rope.attention_factor)
     if rope.mscale and rope.mscale_all_dim:
-        return _yarn_mscale(rope.factor, rope.mscale) / _yarn_mscale(rope.factor, rope.mscale_all_dim)
-    return _yarn_mscale(rope.factor)
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
@@ -115,3 +116,14 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def deinterleave(x: jnp.ndarray) -> jnp.ndarray:
+    """Rotary pairs stored adjacent, (x0, x1), (x2, x3), ... -> the half-split layout
+    [x0, x2, ..., x1, x3, ...] that :func:`apply_rope` rotates.
+
+    DeepSeek's checkpoints keep pairs adjacent; HF's ``apply_rotary_pos_emb_interleave`` returns
+    exactly ``apply_rope(deinterleave(x))``. Queries and keys are both permuted, so their dot
+    products are those of the interleaved rotation.
+    """
+    return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)

@@ -7,6 +7,9 @@ to the cached keys plus the new keys, and it returns logits and the new keys/val
 (``num_new`` says how many of the T tokens of each row are real; the rest is bucket padding,
 written past the row's length and never attended to).
 
+Multi-head latent attention (``config.attention`` MLA, ``dayzero.model.mla``) caches one latent
+row per token instead (:class:`LatentCache`); ``forward`` then returns :class:`NewLatent`.
+
 Why two functions: when one XLA:CPU computation both reads a cache buffer and updates it in
 place, XLA copies the whole buffer (measured: 60 x [1,3,8192,64] buffers, 0.3 ms for the update
 alone, 228 ms with a read beside it). Jitted separately, with the cache donated to the update,
@@ -19,8 +22,10 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from dayzero.model.config import ModelConfig
+from dayzero.model.config import AttentionKind, ModelConfig
+from dayzero.model.mla import mla_block
 from dayzero.model.moe import moe, swiglu
+from dayzero.model.norm import rms_norm
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
 
@@ -46,9 +51,46 @@ class KVCache:
         """S, the number of positions each row can hold."""
         return self.v[0].shape[2]
 
+    def layer(self, i: int) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them."""
+        return self.k[i], self.v[i]
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
-    """An empty cache holding ``max_len`` positions for each of ``batch`` rows."""
+
+@struct.dataclass
+class LatentCache:
+    """Multi-head latent attention's cache: per layer one row per position [B, S, L+R] (the
+    normed kv latent, then the rotated rope key), per-row lengths [B] and ``rope_len``.
+
+    One array serves as both keys and values of the absorbed form (see ``dayzero.model.mla``),
+    so it has one layout, [B,S,C]: the value product reads it as XLA:CPU's fast [B,S,H] value
+    layout; the score product reads it as keys in the slower of the two layouts measured for
+    ``KVCache`` (a copy in the other layout would double the cache).
+    """
+
+    latent: tuple[jax.Array, ...]
+    lengths: jax.Array
+    rope_len: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        """S, the number of positions each row can hold."""
+        return self.latent[0].shape[1]
+
+    def layer(self, i: int) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them."""
+        return (self.latent[i],)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache | LatentCache:
+    """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
+    multi-head latent attention, per-head keys and values otherwise)."""
+    if config.mla is not None:
+        width = config.mla.kv_lora_rank + config.mla.rope_dim
+        return LatentCache(
+            latent=tuple(jnp.zeros((batch, max_len, width), dtype) for _ in range(config.num_layers)),
+            lengths=jnp.zeros((batch,), jnp.int32),
+            rope_len=jnp.zeros((), jnp.int32),
+        )
     k_shape = (batch, config.num_kv_heads, config.head_dim, max_len)
     v_shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(
@@ -57,13 +99,6 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32)
         lengths=jnp.zeros((batch,), jnp.int32),
         rope_len=jnp.zeros((), jnp.int32),
     )
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in fp32, scaled by ``weight`` in the input dtype (as HF Llama does)."""
-    x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * normed.astype(x.dtype)
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:
@@ -174,18 +209,28 @@ def decoder_layer(
     config: ModelConfig,
     x: jax.Array,
     cos_sin: tuple[jax.Array, jax.Array],
-    k_cache: jax.Array | None,
-    v_cache: jax.Array | None,
+    layer_cache: tuple[jax.Array, ...] | None,
     masks: tuple[jax.Array | None, jax.Array],
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Pre-norm residual block: attention then SwiGLU MLP or MoE; also returns the new keys/values."""
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Pre-norm residual block: attention then SwiGLU MLP or MoE.
+
+    ``layer_cache`` is the layer's cached arrays (``cache.layer(i)``, None when nothing is
+    cached); also returns what the layer adds to the cache: (keys, values), or (latent rows,)
+    for multi-head latent attention.
+    """
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
-    attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
+    if config.attention is AttentionKind.MLA:
+        attn_out, latent = mla_block(w.attn, config, h, cos_sin, None if layer_cache is None else layer_cache[0], masks)
+        new = (latent,)
+    else:
+        k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
+        attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
+        new = (k, v)
     x = x + attn_out
     h = rms_norm(x, w.mlp_norm, config.rms_norm_eps)
     # The weight tree's type per layer follows config.moe.layers (see weights._layer_specs).
     x = x + (moe(w.mlp, config.moe, h) if isinstance(w.mlp, MoEWeights) else mlp(w.mlp, h))
-    return x, k, v
+    return x, new
 
 
 def output_logits(weights: Weights, x: jax.Array) -> jax.Array:
@@ -205,15 +250,24 @@ class NewKV:
     rope_len: jax.Array  # the cache's new ``rope_len``
 
 
+@struct.dataclass
+class NewLatent:
+    """What one ``forward`` call adds to a :class:`LatentCache`: per-layer latent rows [B,T,L+R]."""
+
+    latent: tuple[jax.Array, ...]
+    num_new: jax.Array  # [B] real tokens per row
+    rope_len: jax.Array  # the cache's new ``rope_len``
+
+
 def forward(
     weights: Weights,
     config: ModelConfig,
     tokens: jax.Array,
-    cache: KVCache | None = None,
+    cache: KVCache | LatentCache | None = None,
     num_new: jax.Array | None = None,
     all_logits: bool = False,
     hidden_out: list | None = None,
-) -> tuple[jax.Array, NewKV]:
+) -> tuple[jax.Array, NewKV | NewLatent]:
     """Run ``tokens`` [B,T] as the continuation of each cached row (from scratch if no cache).
 
     ``num_new`` [B] is how many of the T tokens of each row are real (default: all T).
@@ -238,13 +292,11 @@ def forward(
         for window in set(config.sliding_windows)
     }
     x = jnp.take(weights.embed, tokens, axis=0)
-    new_k, new_v = [], []
+    new = []  # per layer, what it adds to the cache
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
-        k_cache, v_cache = (None, None) if cache is None else (cache.k[i], cache.v[i])
-        x, k, v = decoder_layer(layer, config, x, cos_sin, k_cache, v_cache, layer_masks)
-        new_k.append(k)
-        new_v.append(v)
+        x, added = decoder_layer(layer, config, x, cos_sin, None if cache is None else cache.layer(i), layer_masks)
+        new.append(added)
         if hidden_out is not None:
             hidden_out.append(x)
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
@@ -254,7 +306,9 @@ def forward(
     logits = output_logits(weights, x)
     if not all_logits:
         logits = logits[:, 0, :]
-    return logits, NewKV(k=tuple(new_k), v=tuple(new_v), num_new=num_new, rope_len=rope_len)
+    if config.mla is not None:
+        return logits, NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len)
+    return logits, NewKV(k=tuple(n[0] for n in new), v=tuple(n[1] for n in new), num_new=num_new, rope_len=rope_len)
 
 
 def _write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, seq_axis: int) -> jax.Array:
@@ -269,13 +323,17 @@ def _write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, seq_axis: 
     return jax.vmap(write_one)(buffer, new, starts)
 
 
-def append_to_cache(cache: KVCache, new: NewKV) -> KVCache:
-    """Write the keys/values of one ``forward`` call at each row's length and advance lengths.
+def append_to_cache(cache: KVCache | LatentCache, new: NewKV | NewLatent) -> KVCache | LatentCache:
+    """Write the keys/values (or latent rows) of one ``forward`` call at each row's length and
+    advance lengths.
 
     Jit it with the cache donated (and apart from ``forward``, see the module docstring). The
     cache must have room: ``max(lengths) + T <= max_len``, or the write would be clamped.
     """
     starts = cache.lengths
+    if isinstance(cache, LatentCache):
+        latent = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.latent, new.latent))
+        return LatentCache(latent=latent, lengths=starts + new.num_new, rope_len=new.rope_len)
     k = tuple(_write_rows(c, n.transpose(0, 2, 3, 1), starts, 3) for c, n in zip(cache.k, new.k))
     v = tuple(_write_rows(c, n.transpose(0, 2, 1, 3), starts, 2) for c, n in zip(cache.v, new.v))
     return KVCache(k=k, v=v, lengths=starts + new.num_new, rope_len=new.rope_len)

@@ -60,6 +60,27 @@ class AttentionWeights:
 
 
 @struct.dataclass
+class MLAWeights:
+    """Multi-head latent attention (see ``MLAConfig``), Q = q_lora_rank, L = kv_lora_rank, P = nope dim.
+
+    q: ``q_a`` [D,Q] -> ``q_a_norm`` [Q] -> ``q_b`` [Q,N,P+R], or ``q`` [D,N,P+R] without a q LoRA.
+    kv: ``kv_a`` [D,L+R] (latent, then the shared rope key) -> ``kv_a_norm`` [L] on the latent;
+    ``k_up`` [L,N,P] and ``v_up`` [L,N,V] are HF's ``kv_b_proj`` split per head, kept apart because
+    the absorbed form folds ``k_up`` into the query and applies ``v_up`` after attention.
+    """
+
+    kv_a: Any
+    kv_a_norm: Any
+    k_up: Any
+    v_up: Any
+    o: Any  # [N,V,D]
+    q: Any = None
+    q_a: Any = None
+    q_a_norm: Any = None
+    q_b: Any = None
+
+
+@struct.dataclass
 class MLPWeights:
     """SwiGLU MLP: gate/up [D,F], down [F,D]."""
 
@@ -85,7 +106,7 @@ class LayerWeights:
     """One decoder layer: pre-norm attention then a pre-norm dense MLP or MoE block."""
 
     attn_norm: Any
-    attn: AttentionWeights
+    attn: AttentionWeights | MLAWeights
     mlp_norm: Any
     mlp: MLPWeights | MoEWeights
 
@@ -117,6 +138,23 @@ def _attention_specs(c: ModelConfig) -> AttentionWeights:
     )
 
 
+def _mla_specs(c: ModelConfig) -> MLAWeights:
+    m, D, N = c.mla, c.hidden_size, c.num_heads
+    Q, L, P, R, V = m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_head_dim
+    lora = Q is not None
+    return MLAWeights(
+        kv_a=ParamSpec((D, L + R), ("embed", None)),
+        kv_a_norm=ParamSpec((L,), ("latent",), Init.ONES),
+        k_up=ParamSpec((L, N, P), ("latent", "q_heads", "head_dim")),
+        v_up=ParamSpec((L, N, V), ("latent", "q_heads", "head_dim")),
+        o=ParamSpec((N, V, D), ("q_heads", "head_dim", "embed")),
+        q=None if lora else ParamSpec((D, N, P + R), ("embed", "q_heads", "head_dim")),
+        q_a=ParamSpec((D, Q), ("embed", None)) if lora else None,
+        q_a_norm=ParamSpec((Q,), (None,), Init.ONES) if lora else None,
+        q_b=ParamSpec((Q, N, P + R), (None, "q_heads", "head_dim")) if lora else None,
+    )
+
+
 def _mlp_specs(c: ModelConfig, F: int) -> MLPWeights:
     D = c.hidden_size
     return MLPWeights(
@@ -144,7 +182,7 @@ def _layer_specs(c: ModelConfig, i: int) -> LayerWeights:
     D = c.hidden_size
     return LayerWeights(
         attn_norm=ParamSpec((D,), ("embed",), Init.ONES),
-        attn=_attention_specs(c),
+        attn=_mla_specs(c) if c.mla is not None else _attention_specs(c),
         mlp_norm=ParamSpec((D,), ("embed",), Init.ONES),
         mlp=_moe_specs(c) if c.is_moe_layer(i) else _mlp_specs(c, c.intermediate_size),
     )

@@ -1,0 +1,89 @@
+"""DeepSeek's block-wise FP8 checkpoints, dequantized while reading.
+
+DeepSeek-V3 and Kimi-K2 publish most linear weights as ``float8_e4m3fn`` with a float32
+``<name>_scale_inv`` beside each ``<name>`` (``weight`` -> ``weight_scale_inv``): one scale per
+block of [block_out, block_in] elements (128 x 128), shape [ceil(out/128), ceil(in/128)]; the
+last blocks of a dimension that is not a multiple of 128 are partial. The real weight is
+``w * scale_inv`` of its block.
+
+:class:`Fp8DequantReader` wraps a source reader so that such a weight reads as the dequantized
+float32 tensor and its scale disappears from the name space: the name maps, the streaming loop
+and the checks never see FP8 at all. Norms, the router and biases stay in their own dtypes.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from dayzero.convert.errors import ConvertError
+
+SCALE_SUFFIX = "_scale_inv"
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def dequantize_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """float32 ``w * scale_inv`` with each scale broadcast over its [block_out, block_in] block.
+
+    ``w`` [out, in] (FP8 or any float), ``scale_inv`` [ceil(out/bo), ceil(in/bi)].
+    """
+    bo, bi = block
+    out, inp = w.shape
+    expected = (math.ceil(out / bo), math.ceil(inp / bi))
+    if scale_inv.shape != expected:
+        raise ValueError(f"scales of shape {list(scale_inv.shape)} for a {list(w.shape)} weight in "
+                         f"{bo}x{bi} blocks; expected {list(expected)}")
+    # Repeat each scale over its block, then cut the partial last blocks to the weight's size.
+    scales = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:out, :inp]
+    return w.astype(np.float32) * scales
+
+
+class Fp8DequantReader:
+    """A reader that presents every FP8 weight with a ``_scale_inv`` as its float32 dequantization.
+
+    Scale tensors are consumed here and not listed by ``keys()``; an FP8 tensor without a scale,
+    or a scale without its weight, is an error (the checkpoint is incomplete).
+    """
+
+    def __init__(self, inner, block: tuple[int, int], where: str = ""):
+        self.inner = inner
+        self.block = block
+        self.files: list[Path] = inner.files
+        names = set(inner.keys())
+        self._scale_of = {n[: -len(SCALE_SUFFIX)]: n for n in names if n.endswith(SCALE_SUFFIX)}
+        for weight, scale in self._scale_of.items():
+            if weight not in names:
+                raise ConvertError(f"{where} has the FP8 scale '{scale}' but no tensor '{weight}'; it is incomplete")
+        unscaled = sorted(n for n in names if np.dtype(inner.dtype(n)) == FP8 and n not in self._scale_of)
+        if unscaled:
+            raise ConvertError(f"{where} has the FP8 tensor '{unscaled[0]}' without its '{unscaled[0]}{SCALE_SUFFIX}'; "
+                               "it cannot be dequantized")
+
+    def keys(self) -> list[str]:
+        """Tensor names, without the scales."""
+        scales = set(self._scale_of.values())
+        return [n for n in self.inner.keys() if n not in scales]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape as stored (dequantization keeps it)."""
+        return self.inner.shape(name)
+
+    def dtype(self, name: str) -> np.dtype:
+        """float32 for dequantized weights, else the stored type."""
+        return np.dtype(np.float32) if name in self._scale_of else self.inner.dtype(name)
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor; FP8 weights come back dequantized to float32."""
+        x = self.inner.get(name)
+        if name not in self._scale_of:
+            return x
+        scale = self.inner.get(self._scale_of[name])
+        if x.ndim != 2:
+            raise ConvertError(f"FP8 tensor '{name}' has shape {list(x.shape)}; block scales need a 2-D weight")
+        try:
+            return dequantize_blocks(x, scale, self.block)
+        except ValueError as e:
+            raise ConvertError(f"FP8 tensor '{name}': {e}; the checkpoint does not match its quantization_config") from None
