@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import jax
 
 from dayzero.engine import peers
-from dayzero.engine.measure import bench_prompt, best_time, device_peak_mb, peak_rss_mb, rss_mb, speeds
+from dayzero.engine.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
+from dayzero.engine.sampling import SamplingParams
 from dayzero.engine.soak import soak
 
 
@@ -23,26 +25,28 @@ class BenchError(ValueError):
 
 
 def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
-    """Measure dayzero on ``prompts`` (best of ``repeats`` after a compiling warm-up)."""
+    """Measure dayzero on ``prompts`` (best of ``repeats`` after a compiling warm-up).
+
+    Time to first token is prefill + first sample; decode rate is between first and last token.
+    """
     compile_before = engine.compile_s
+    greedy = [SamplingParams()] * len(prompts)
 
-    def first_token():
-        engine.generate(prompts, max_new_tokens=1, ignore_eos=True)
+    def run() -> tuple[float, float]:
+        start = time.perf_counter()
+        first = None
+        for _ in engine.stream_ids(prompts, new_tokens, greedy):
+            first = first or time.perf_counter()
+        return first - start, time.perf_counter() - first
 
-    def full():
-        engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
-
-    first_token()
-    full()
-    result = speeds(prompts, new_tokens, best_time(first_token, repeats), best_time(full, repeats))
-    result.update(
-        compile_s=engine.compile_s - compile_before,
-        rss_mb=rss_mb(),
-        peak_rss_mb=peak_rss_mb(),
-        device_peak_mb=device_peak_mb(),
-        kv_cache_mb=kv_cache_bytes(engine.config, len(prompts), len(prompts[0]) + new_tokens) / 2**20,
-    )
-    return result
+    return {
+        **timed_speeds(run, prompts, new_tokens, repeats),
+        "compile_s": engine.compile_s - compile_before,
+        "rss_mb": rss_mb(),
+        "peak_rss_mb": peak_rss_mb(),
+        "device_peak_mb": device_peak_mb(),
+        "kv_cache_mb": kv_cache_bytes(engine.config, len(prompts), len(prompts[0]) + new_tokens) / 2**20,
+    }
 
 
 def kv_cache_bytes(config, batch: int, length: int, itemsize: int = 4) -> int:
@@ -62,12 +66,13 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[int]) -> list[dict]:
     context = engine.config.max_position_embeddings
+    too_long = [n for n in prompt_lens if n + args.new_tokens > context]
+    if too_long:  # checked before any run, so a long sweep does not fail at its end
+        raise BenchError(
+            f"--prompt-len {too_long[0]} + --new-tokens {args.new_tokens} exceeds the model's context of {context}"
+        )
     runs = []
     for prompt_len in prompt_lens:
-        if prompt_len + args.new_tokens > context:
-            raise BenchError(
-                f"--prompt-len {prompt_len} + --new-tokens {args.new_tokens} exceeds the model's context of {context}"
-            )
         for batch in batches:
             prompts = bench_prompt(engine.config.vocab_size, prompt_len, batch, engine.eos_ids)
             row = {"prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}

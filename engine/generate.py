@@ -81,7 +81,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else config.eos_token_ids)
         self.compile_s = 0.0  # seconds spent compiling steps so far
-        self._step = jax.jit(self._step_impl, static_argnames=("mode",))
+        # Prefill (no cache to read: a first prompt) and decode are separate compiled functions.
+        self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode",))
+        self._decode = jax.jit(self._step_impl, static_argnames=("mode",))
         self._append = jax.jit(append_to_cache, donate_argnums=(0,))
         self._compiled: set = set()
 
@@ -99,7 +101,7 @@ class Engine:
 
     # ---- compiled pieces -------------------------------------------------------------------
 
-    def _step_impl(self, weights, tokens, cache, num_new, rows: RowSampling, step, mode: SamplingMode):
+    def _step_impl(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache=None):
         logits, new = forward(weights, self.config, tokens, cache, num_new)
         next_tokens, logprobs = sample(logits, rows, step, mode)
         return next_tokens, logprobs, new
@@ -108,7 +110,10 @@ class Engine:
         """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty."""
         key = (tokens.shape, cache.max_len, mode, fresh)
         start = time.perf_counter()
-        out = self._step(self.weights, tokens, None if fresh else cache, num_new, rows, jnp.int32(step), mode=mode)
+        if fresh:
+            out = self._prefill(self.weights, tokens, num_new, rows, jnp.int32(step), mode=mode)
+        else:
+            out = self._decode(self.weights, tokens, num_new, rows, jnp.int32(step), mode=mode, cache=cache)
         cache = self._append(cache, out[2])
         if key not in self._compiled:  # first call of this shape: account its compile time
             jax.block_until_ready(out[0])
@@ -193,7 +198,8 @@ class Engine:
         B = len(ids)
         lengths = np.array([len(r) for r in ids], np.int32)
         T = bucket(int(lengths.max()), MIN_PROMPT_BUCKET)
-        S = bucket(T + max_new_tokens, MIN_CACHE_LEN)
+        # Room for the padded prefill (T slots) and for the longest row's last token.
+        S = bucket(max(T, int(lengths.max()) + max_new_tokens), MIN_CACHE_LEN)
         tokens = np.zeros((B, T), np.int32)
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row

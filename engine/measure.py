@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-import time
 
 import jax
 import numpy as np
@@ -20,23 +19,23 @@ def bench_prompt(vocab_size: int, length: int, batch: int, avoid: tuple[int, ...
     return rows
 
 
-def best_time(fn, repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls (the least disturbed by other load)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed_speeds(run, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
+    """TTFT, prefill and decode speed from ``run() -> (ttft_s, decode_s)``, one generation each.
 
-
-def speeds(prompts: list[list[int]], new_tokens: int, ttft: float, total: float) -> dict[str, float]:
-    """TTFT and throughputs from the time to one token and the time to ``new_tokens`` tokens."""
+    ``run`` generates ``new_tokens`` tokens and returns the time to the first token and the time
+    from the first to the last. One warm-up run (compilation), then the best of ``repeats`` for
+    each figure (the least disturbed by other load on a shared machine). Measuring both inside
+    one run avoids subtracting two long runs, which is noise-dominated when prefill is long.
+    """
+    run()
+    timings = [run() for _ in range(repeats)]
+    ttft = min(t for t, _ in timings)
+    decode = min(d for _, d in timings)
     batch, prompt_len = len(prompts), len(prompts[0])
     return {
         "ttft_s": ttft,
         "prefill_tok_s": batch * prompt_len / ttft,
-        "decode_tok_s": batch * (new_tokens - 1) / max(total - ttft, 1e-9),
+        "decode_tok_s": batch * (new_tokens - 1) / max(decode, 1e-9),
     }
 
 

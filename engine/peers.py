@@ -8,11 +8,12 @@ installed is a clear error naming what to install.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
-from dayzero.engine.measure import best_time, speeds
+from dayzero.engine.measure import timed_speeds
 
 
 class PeerError(ValueError):
@@ -62,18 +63,36 @@ class HFPeer:
             self._model = self._load()
         torch, model = self._torch, self._model
         ids = torch.tensor(prompts)
+        streamer = _TokenClock()
 
-        def first_token():
+        def run() -> tuple[float, float]:
+            streamer.reset()
             with torch.no_grad():
-                model(ids, use_cache=True).logits[:, -1].argmax(-1)
+                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False, streamer=streamer)
+            return streamer.first - streamer.start, streamer.last - streamer.first
 
-        def full():
-            with torch.no_grad():
-                model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        return timed_speeds(run, prompts, new_tokens, repeats)
 
-        first_token()
-        full()
-        return speeds(prompts, new_tokens, best_time(first_token, repeats), best_time(full, repeats))
+
+class _TokenClock:
+    """An HF generation streamer that only notes when the first and the last new token came."""
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.first = self.last = None
+        self._seen_prompt = False
+
+    def put(self, value) -> None:  # called with the prompt first, then with each new token
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        now = time.perf_counter()
+        self.first = self.first or now
+        self.last = now
+
+    def end(self) -> None:
+        pass
 
 
 class LlamaCppPeer:
@@ -103,12 +122,15 @@ class LlamaCppPeer:
         prompt = prompts[0]
         llm = self._model(len(prompt) + new_tokens)
 
-        def run(n: int):
+        def run() -> tuple[float, float]:
             llm.reset()
+            start = time.perf_counter()
             llm.eval(prompt)
-            for _ in range(n - 1):
-                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            first = time.perf_counter()
+            for _ in range(new_tokens - 1):
                 llm.eval([token])
+                token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            return first - start, time.perf_counter() - first
 
-        run(new_tokens)
-        return speeds([prompt], new_tokens, best_time(lambda: run(1), repeats), best_time(lambda: run(new_tokens), repeats))
+        return timed_speeds(run, [prompt], new_tokens, repeats)

@@ -368,18 +368,24 @@ def test_streaming_flushes_an_incomplete_utf8_tail(tiny_engine):
 
 
 def test_no_recompilation_within_a_bucket(tiny_model):
+    from dayzero.engine.measure import CompileCounter
+
     engine = Engine(tiny_model.config, tiny_model.weights)
-    sizes = lambda: (engine._step._cache_size(), engine._append._cache_size())  # noqa: E731
+    sizes = lambda: tuple(f._cache_size() for f in (engine._prefill, engine._decode, engine._append))  # noqa: E731
 
     engine.generate([1, 2, 3, 4, 5], max_new_tokens=8)
     after_first, compile_s = sizes(), engine.compile_s
     assert compile_s > 0
     # Another length in the same prompt bucket (16) and cache bucket (256), another max_new_tokens.
-    engine.generate(list(range(10, 23)), max_new_tokens=20)
-    engine.generate([7], max_new_tokens=3)
+    with CompileCounter() as counter:
+        engine.generate(list(range(10, 23)), max_new_tokens=20)
+        engine.generate([7], max_new_tokens=3)
+    assert counter.count == 0
     assert sizes() == after_first
     assert engine.compile_s == compile_s
-    # A longer prompt (bucket 32) compiles a new prefill: the counter does see compilations.
-    engine.generate(list(range(20)), max_new_tokens=4)
-    assert engine._step._cache_size() == after_first[0] + 1
+    # A longer prompt (bucket 32) compiles a new prefill only: the counters do see compilations.
+    with CompileCounter() as counter:
+        engine.generate(list(range(20)), max_new_tokens=4)
+    assert counter.count >= 1
+    assert sizes() == (after_first[0] + 1, after_first[1], after_first[2])
     assert engine.compile_s > compile_s

@@ -149,3 +149,28 @@ def test_first_jump_precedes_first_bad_for_an_amplified_fault():
     report = compare(ref, logits, ours, logits, Tolerance())
     assert report.first_jump_layer == 1 and report.first_bad_layer == 3
     assert "first jumped at layer 1" in report.verdict()
+
+
+def test_moe_model_passes_and_a_faulty_expert_is_found(tmp_path, capsys):
+    """Verify works for MoE families too: a planted fault in one expert of layer 1 is named."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(3)
+    model = MixtralForCausalLM(MixtralConfig(**CONFIG, num_local_experts=4, num_experts_per_tok=2)).eval()
+    model.save_pretrained(tmp_path / "hf")
+    convert_checkpoint(tmp_path / "hf", tmp_path / "dz", progress=False)
+    code, out, err = run(capsys, "--model", str(tmp_path / "dz"), "--reference", str(tmp_path / "hf"),
+                         "--prompt-ids", PROMPT_IDS)
+    assert code == 0, out + err
+    bad = shutil.copytree(tmp_path / "hf", tmp_path / "hf_bad")
+    tensors = load_file(bad / "model.safetensors")
+    # Every expert of layer 1 is perturbed, so whichever experts the prompt routes to, layer 1 moves.
+    for e in range(4):
+        name = f"model.layers.1.block_sparse_moe.experts.{e}.w2.weight"
+        tensors[name] = tensors[name] + np.random.default_rng(e).normal(0, 0.05, tensors[name].shape).astype(np.float32)
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    convert_checkpoint(bad, tmp_path / "dz_bad", progress=False)
+    code, out, _ = run(capsys, "--model", str(tmp_path / "dz_bad"), "--reference", str(tmp_path / "hf"),
+                       "--prompt-ids", PROMPT_IDS, "--json")
+    report = json.loads(out)
+    assert code == 1 and report["first_bad_layer"] == 1
