@@ -25,8 +25,9 @@ from dayzero.model.weights import Weights
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_LEN = 256
-# Prompts longer than this are prefilled in chunks of this many tokens (see _prefill_chunks).
-PREFILL_CHUNK = 512
+# Prompts longer than this are prefilled in chunks of this many tokens (see _prefill_chunks):
+# each chunk scans the whole allocated cache, so smaller chunks cost more attention work.
+PREFILL_CHUNK = 1024
 
 
 class GenerationError(ValueError):
