@@ -143,6 +143,7 @@ _PER_EXPERT_NAMES = {
     Family.QWEN3_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.DEEPSEEK_V3: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.KIMI_K2: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    Family.DEEPSEEK_V32: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -209,10 +210,25 @@ def _hf_mla(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
     ]
     if Q is None:
         return r + [Recipe(dst + "attn/q", attn + "q_proj.weight", (N * (P + R), D), heads_in)]
+    if c.dsa is not None:
+        r += _hf_indexer(c, attn + "indexer.", dst + "attn/indexer/")
     return r + [
         Recipe(dst + "attn/q_a", attn + "q_a_proj.weight", (Q, D), (T.transpose,)),
         Recipe(dst + "attn/q_a_norm", attn + "q_a_layernorm.weight", (Q,)),
         Recipe(dst + "attn/q_b", attn + "q_b_proj.weight", (N * (P + R), Q), heads_in),
+    ]
+
+
+def _hf_indexer(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """HF deepseek_v32's ``self_attn.indexer``: wq_b [I*J, Q], wk [J, D], k_norm (a LayerNorm:
+    weight and bias) [J], weights_proj [I, D]."""
+    D, Q, I, J = c.hidden_size, c.mla.q_lora_rank, c.dsa.heads, c.dsa.head_dim
+    return [
+        Recipe(dst + "q_b", src + "wq_b.weight", (I * J, Q), (partial(T.split_heads_in, heads=I, head_dim=J),)),
+        Recipe(dst + "k", src + "wk.weight", (J, D), (T.transpose,)),
+        Recipe(dst + "k_norm", src + "k_norm.weight", (J,)),
+        Recipe(dst + "k_norm_bias", src + "k_norm.bias", (J,)),
+        Recipe(dst + "head_weights", src + "weights_proj.weight", (I, D), (T.transpose,)),
     ]
 
 
@@ -271,7 +287,7 @@ def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
 
 def hf_name_map(c: ModelConfig) -> NameMap:
     """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral,
-    qwen3_moe, deepseek_v3 and kimi_k2 families; MoE experts per expert, or fused as an
+    qwen3_moe, deepseek_v3, kimi_k2 and deepseek_v32 families; MoE experts per expert, or fused as an
     alternative layout."""
 
     def ignored(name: str) -> bool:

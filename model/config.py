@@ -29,6 +29,7 @@ class Family(enum.Enum):
     QWEN3_MOE = "qwen3_moe"
     DEEPSEEK_V3 = "deepseek_v3"
     KIMI_K2 = "kimi_k2"  # Kimi-K2 publishes the DeepSeek-V3 architecture under its own name
+    DEEPSEEK_V32 = "deepseek_v32"  # DeepSeek-V3 plus DeepSeek Sparse Attention (see DSAConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,7 @@ class _Traits:
     windows_from_layer_0: bool = False  # a window applies to every layer; max_window_layers is not read
     moe: bool = False  # sparse Mixture-of-Experts blocks (see MoEConfig)
     mla: bool = False  # multi-head latent attention and DeepSeek-V3 routing (see MLAConfig)
+    dsa: bool = False  # a lightning indexer picks the tokens latent attention reads (see DSAConfig)
 
 
 _TRAITS = {
@@ -52,6 +54,7 @@ _TRAITS = {
     Family.QWEN3_MOE: _Traits(qk_norm=True, windows_from_layer_0=True, moe=True),
     Family.DEEPSEEK_V3: _Traits(moe=True, mla=True),
     Family.KIMI_K2: _Traits(moe=True, mla=True),
+    Family.DEEPSEEK_V32: _Traits(moe=True, mla=True, dsa=True),
 }
 
 
@@ -164,6 +167,22 @@ class MLAConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DSAConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2): per layer, a lightning indexer scores every
+    visible token for each query and latent attention reads only the ``topk`` best.
+
+    Indexer (``dayzero.model.dsa``): I = ``heads`` queries of width ``head_dim`` from the q LoRA
+    latent, one key of ``head_dim`` per token (LayerNorm'd, cached beside the latent row), and a
+    per-head weight from the hidden state; the first ``rope_dim`` dims of queries and keys are
+    rotated with half-split pairs (not the interleaved pairs of the main attention).
+    """
+
+    topk: int  # index_topk: tokens each query attends to
+    heads: int  # index_n_heads
+    head_dim: int  # index_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer (dimension letters as in DESIGN.md).
 
@@ -192,6 +211,7 @@ class ModelConfig:
     moe: MoEConfig | None = None
     attention: AttentionKind = AttentionKind.GQA
     mla: MLAConfig | None = None  # set iff attention is MLA; head_dim is then its rope_dim
+    dsa: DSAConfig | None = None  # sparse attention over the latent rows (needs mla)
     # Multi-token-prediction modules stored after the last layer (DeepSeek-V3's
     # num_nextn_predict_layers): plain decoding never runs them, the converter skips their tensors.
     mtp_layers: int = 0
@@ -210,6 +230,12 @@ class ModelConfig:
             )
         if (self.mla is not None) != (self.attention is AttentionKind.MLA):
             raise ConfigError(f"attention={self.attention.value} needs mla settings iff it is MLA")
+        if self.dsa is not None and (self.mla is None or self.mla.q_lora_rank is None
+                                     or not self.mla.rope_dim <= self.dsa.head_dim):
+            raise ConfigError(
+                "sparse attention needs latent attention with a q LoRA (q_lora_rank) and "
+                f"index_head_dim={self.dsa.head_dim} >= qk_rope_head_dim"
+            )
         if self.moe is not None and len(self.moe.layers) != self.num_layers:
             raise ConfigError(f"{len(self.moe.layers)} MoE layer flags given for {self.num_layers} layers")
 
@@ -234,6 +260,7 @@ class ModelConfig:
         rope = dict(d.pop("rope"))
         rope["type"] = RopeType(rope["type"])
         mla = d.pop("mla", None)
+        dsa = d.pop("dsa", None)
         attention = AttentionKind(d.pop("attention", AttentionKind.GQA.value))
         moe = d.pop("moe", None)
         if moe is not None:
@@ -246,6 +273,7 @@ class ModelConfig:
             moe=moe,
             attention=attention,
             mla=None if mla is None else MLAConfig(**mla),
+            dsa=None if dsa is None else DSAConfig(**dsa),
             **d,
         )
 
@@ -341,8 +369,8 @@ def _sliding_windows(r: _Reader, family: Family, num_layers: int) -> tuple[int |
         ]
     windows = []
     for kind in layer_types:
-        if kind == "full_attention":
-            windows.append(None)
+        if kind == "full_attention" or (kind == "indexed_attention" and traits.dsa):
+            windows.append(None)  # DeepSeek-V3.2's indexed layers attend causally over all tokens
         elif kind == "sliding_attention":
             if not window:
                 raise ConfigError("layer_types has 'sliding_attention' but sliding_window is not set")
@@ -396,8 +424,14 @@ _DEEPSEEK_TRAINING_ONLY = {
 
 def _deepseek_moe_layers(r: _Reader, num_layers: int) -> tuple[bool, ...]:
     """Layers ``first_k_dense_replace`` and up are sparse. DeepSeek's own code also requires
-    ``i % moe_layer_freq == 0`` while HF's ignores it: only 1, where both agree, is accepted."""
+    ``i % moe_layer_freq == 0`` while HF's ignores it: only 1, where both agree, is accepted.
+    HF deepseek_v32 writes the per-layer list ``mlp_layer_types`` ("dense"/"sparse"), which wins."""
     first_dense = r.get("first_k_dense_replace", 0)
+    kinds = r.get("mlp_layer_types") if _TRAITS[Family(r.raw["model_type"])].dsa else None
+    if kinds is not None:
+        if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+            raise ConfigError(f"mlp_layer_types={kinds!r} must give 'dense' or 'sparse' for each of {num_layers} layers")
+        return tuple(k == "sparse" for k in kinds)
     if not isinstance(first_dense, int) or not 0 <= first_dense <= num_layers:
         raise ConfigError(f"first_k_dense_replace={first_dense!r} must be between 0 and num_hidden_layers={num_layers}")
     if r.get("moe_layer_freq", 1) != 1:
@@ -440,6 +474,18 @@ def _parse_mla(r: _Reader, num_heads: int) -> MLAConfig:
     if r.get("attention_bias", False):
         raise ConfigError("attention_bias=true is not supported for latent attention")
     return mla
+
+
+def _parse_dsa(r: _Reader) -> DSAConfig:
+    """The indexer of DeepSeek-V3.2 (defaults: HF DeepseekV32Config's)."""
+    dsa = DSAConfig(topk=int(r.get("index_topk", 2048)), heads=int(r.get("index_n_heads", 64)),
+                    head_dim=int(r.get("index_head_dim", 128)))
+    if min(dsa.topk, dsa.heads, dsa.head_dim) < 1:
+        raise ConfigError(f"index_topk, index_n_heads and index_head_dim must be positive, got {dsa}")
+    # HF's deepseek_v32 always rotates the main attention's interleaved pairs and has no such key.
+    if not r.get("rope_interleave", True):
+        raise ConfigError("rope_interleave=false is not supported for deepseek_v32 (its attention is interleaved)")
+    return dsa
 
 
 def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
@@ -537,6 +583,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         moe=_parse_moe(r, family, num_layers),
         attention=AttentionKind.MLA if mla else AttentionKind.GQA,
         mla=mla,
+        dsa=_parse_dsa(r) if traits.dsa else None,
         mtp_layers=int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.mla else 0,
     )
     leftover = r.leftover()

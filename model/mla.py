@@ -14,8 +14,15 @@ decode: one implementation, and a prefill never builds per-head keys for S posit
 expanded form does fewer FLOPs per score, P + R against L + R, which a long-prompt prefill on an
 accelerator may want back one day; it would be a second implementation of the same block.)
 
-The block returns the new latent rows; ``transformer.append_to_cache`` writes them, keeping
-``forward``'s read and the cache's in-place write in separate jits (see transformer.py).
+With DeepSeek Sparse Attention (``config.dsa``, DeepSeek-V3.2) each query attends only to the
+tokens the indexer of ``dayzero.model.dsa`` picks. A call with few queries (decode) gathers
+those k rows per query from the cache, so its work no longer grows with the context; a call with
+many queries (prefill) narrows the dense masks instead, where scanning all keys is cheaper than
+gathering T*k rows. Both compute the same softmax over the same tokens.
+
+The block returns the new latent rows (and indexer keys); ``transformer.append_to_cache`` writes
+them, keeping ``forward``'s read and the cache's in-place write in separate jits (see
+transformer.py).
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from dayzero.model import dsa
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
@@ -43,12 +51,13 @@ def softmax_scale(config: ModelConfig) -> float:
     return scale
 
 
-def _queries(w: MLAWeights, x: jax.Array) -> jax.Array:
-    """Per-head queries [B,T,N,P+R], through the q LoRA when the model has one."""
+def _queries(w: MLAWeights, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+    """Per-head queries [B,T,N,P+R] and the q LoRA latent [B,T,Q] they come from (None without
+    a q LoRA; the sparse-attention indexer reads it too)."""
     if w.q is not None:
-        return jnp.einsum("btd,dnh->btnh", x, w.q)
+        return jnp.einsum("btd,dnh->btnh", x, w.q), None
     q_latent = rms_norm(x @ w.q_a, w.q_a_norm, LORA_NORM_EPS)
-    return jnp.einsum("btq,qnh->btnh", q_latent, w.q_b)
+    return jnp.einsum("btq,qnh->btnh", q_latent, w.q_b), q_latent
 
 
 def _rope(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -104,27 +113,79 @@ def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
     return out.reshape(B, T, N, C)
 
 
+def attend_gathered(q: jax.Array, cache: jax.Array, new: jax.Array, mask_new: jax.Array,
+                    indices: jax.Array, visible: jax.Array) -> jax.Array:
+    """Sparse attention of ``q`` [B,T,N,C] over the rows ``indices`` [B,T,k] picks from the
+    cached rows [B,S,C] then the new ones [B,T,C] (``dsa.select``'s output) -> [B,T,N,C].
+
+    Only the k picked cache rows per query are read (a gather), never the whole cache; the T
+    new rows are attended to directly, masked to the picked ones.
+    """
+    B, T, N, C = q.shape
+    S = cache.shape[1]
+    from_cache = indices < S
+    rows = jnp.take_along_axis(cache, jnp.where(from_cache, indices, 0).reshape(B, -1, 1), axis=1)
+    mask_picked = visible & from_cache  # [B,T,k]
+    # Zero the rows of picks that are not visible cached ones (they read slot 0 or stale slots),
+    # so that whatever those slots hold cannot leak in through 0 * inf.
+    rows = jnp.where(mask_picked[..., None], rows.reshape(B, T, -1, C), 0).astype(q.dtype)  # [B,T,k,C]
+    picked_new = (indices[..., None] == S + jnp.arange(T)) & visible[..., None]  # [B,T,k,T]
+    mask_new = mask_new & picked_new.any(axis=2)  # [B,T,T]
+    s_picked = jnp.einsum("btnc,btkc->btnk", q, rows, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btnc,bjc->btnj", q, new, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate([s_picked, s_new], axis=-1)
+    mask = jnp.concatenate([mask_picked, mask_new], axis=-1)[:, :, None]  # the same for every head
+    probs = _masked_softmax(scores, mask).astype(q.dtype)
+    k = rows.shape[2]
+    return (jnp.einsum("btnk,btkc->btnc", probs[..., :k], rows)
+            + jnp.einsum("btnj,bjc->btnc", probs[..., k:], new.astype(q.dtype)))
+
+
+def _sparse_attention(w: MLAWeights, config: ModelConfig, x: jax.Array, q_lora: jax.Array, q_cat: jax.Array,
+                      cos_sin, layer_cache: tuple[jax.Array, jax.Array] | None, new: jax.Array,
+                      new_keys: jax.Array, masks) -> jax.Array:
+    """DSA: the indexer picks each query's tokens, latent attention reads only those."""
+    latent_cache, key_cache = (None, None) if layer_cache is None else layer_cache
+    indices, visible = dsa.select(w.indexer, config, x, q_lora, cos_sin, key_cache, new_keys, masks)
+    T, k = indices.shape[1], indices.shape[2]
+    S = 0 if latent_cache is None else latent_cache.shape[1]
+    # Gather when T*k picked rows are fewer than the S+T rows a dense scan reads (decode past
+    # the first k tokens); else narrow the dense masks (prefill, or a context of <= k tokens).
+    if latent_cache is not None and T * k < S + T:
+        return attend_gathered(q_cat, latent_cache, new, masks[1], indices, visible)
+    return attend_latent(q_cat, latent_cache, new, dsa.selection_masks(indices, visible, masks))
+
+
 def mla_block(
     w: MLAWeights,
     config: ModelConfig,
     x: jax.Array,
     cos_sin: tuple[jax.Array, jax.Array],
-    cache: jax.Array | None,
+    layer_cache: tuple[jax.Array, ...] | None,
     masks: tuple[jax.Array | None, jax.Array],
-) -> tuple[jax.Array, jax.Array]:
-    """Latent self-attention of ``x`` [B,T,D] over the cached rows [B,S,L+R] (None: none).
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    """Latent self-attention of ``x`` [B,T,D] over the layer's cache (None: nothing cached):
+    ``(latent rows [B,S,L+R],)``, plus the indexer keys [B,S,J] with sparse attention.
 
-    Returns the output [B,T,D] and the new latent rows [B,T,L+R] for ``append_to_cache``.
+    Returns the output [B,T,D] and what ``append_to_cache`` adds, in the same order: the new
+    latent rows [B,T,L+R] (and indexer keys [B,T,J]).
     """
     m = config.mla
-    q = _queries(w, x)
+    q, q_lora = _queries(w, x)
     q_nope, q_rope = q[..., : m.nope_dim], _rope(q[..., m.nope_dim :], config, cos_sin)
     q_latent = jnp.einsum("btnp,lnp->btnl", q_nope, w.k_up)  # k_up folded into the query
     q_cat = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1) * softmax_scale(config)
     new = latent_rows(w, config, x, cos_sin)
-    out_latent = attend_latent(q_cat, cache, new, masks)[..., : m.kv_lora_rank]
+    if config.dsa is None:
+        added = (new,)
+        attended = attend_latent(q_cat, None if layer_cache is None else layer_cache[0], new, masks)
+    else:
+        new_keys = dsa.index_keys(w.indexer, config, x, cos_sin)
+        added = (new, new_keys)
+        attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys, masks)
+    out_latent = attended[..., : m.kv_lora_rank]
     out = jnp.einsum("btnl,lnv->btnv", out_latent, w.v_up)  # v_up applied after attention
     B, T, N, V = out.shape
     # A flattened N*V contraction, as in transformer.attention_block (an einsum over (n, v)
     # made XLA:CPU transpose the o weight on every call).
-    return jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), w.o.reshape(N * V, -1)), new
+    return jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), w.o.reshape(N * V, -1)), added

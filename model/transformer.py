@@ -8,7 +8,8 @@ to the cached keys plus the new keys, and it returns logits and the new keys/val
 written past the row's length and never attended to).
 
 Multi-head latent attention (``config.attention`` MLA, ``dayzero.model.mla``) caches one latent
-row per token instead (:class:`LatentCache`); ``forward`` then returns :class:`NewLatent`.
+row per token instead (:class:`LatentCache`); ``forward`` then returns :class:`NewLatent`. With
+sparse attention (``config.dsa``) each token also caches its indexer key beside the latent row.
 
 Why two functions: when one XLA:CPU computation both reads a cache buffer and updates it in
 place, XLA copies the whole buffer (measured: 60 x [1,3,8192,64] buffers, 0.3 ms for the update
@@ -65,11 +66,15 @@ class LatentCache:
     so it has one layout, [B,S,C]: the value product reads it as XLA:CPU's fast [B,S,H] value
     layout; the score product reads it as keys in the slower of the two layouts measured for
     ``KVCache`` (a copy in the other layout would double the cache).
+
+    ``index_keys``: with sparse attention (DeepSeek-V3.2), per layer the indexer key of each
+    position [B, S, J] (J = ``index_head_dim``); None otherwise.
     """
 
     latent: tuple[jax.Array, ...]
     lengths: jax.Array
     rope_len: jax.Array
+    index_keys: tuple[jax.Array, ...] | None = None
 
     @property
     def max_len(self) -> int:
@@ -78,7 +83,7 @@ class LatentCache:
 
     def layer(self, i: int) -> tuple[jax.Array, ...]:
         """Layer ``i``'s cached arrays, as its attention block takes them."""
-        return (self.latent[i],)
+        return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
 
 
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache | LatentCache:
@@ -86,10 +91,14 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32)
     multi-head latent attention, per-head keys and values otherwise)."""
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.rope_dim
+        keys = None
+        if config.dsa is not None:
+            keys = tuple(jnp.zeros((batch, max_len, config.dsa.head_dim), dtype) for _ in range(config.num_layers))
         return LatentCache(
             latent=tuple(jnp.zeros((batch, max_len, width), dtype) for _ in range(config.num_layers)),
             lengths=jnp.zeros((batch,), jnp.int32),
             rope_len=jnp.zeros((), jnp.int32),
+            index_keys=keys,
         )
     k_shape = (batch, config.num_kv_heads, config.head_dim, max_len)
     v_shape = (batch, config.num_kv_heads, max_len, config.head_dim)
@@ -216,12 +225,11 @@ def decoder_layer(
 
     ``layer_cache`` is the layer's cached arrays (``cache.layer(i)``, None when nothing is
     cached); also returns what the layer adds to the cache: (keys, values), or (latent rows,)
-    for multi-head latent attention.
+    for multi-head latent attention, (latent rows, indexer keys) with sparse attention.
     """
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
     if config.attention is AttentionKind.MLA:
-        attn_out, latent = mla_block(w.attn, config, h, cos_sin, None if layer_cache is None else layer_cache[0], masks)
-        new = (latent,)
+        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
         attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
@@ -252,11 +260,13 @@ class NewKV:
 
 @struct.dataclass
 class NewLatent:
-    """What one ``forward`` call adds to a :class:`LatentCache`: per-layer latent rows [B,T,L+R]."""
+    """What one ``forward`` call adds to a :class:`LatentCache`: per-layer latent rows [B,T,L+R]
+    (and indexer keys [B,T,J] with sparse attention)."""
 
     latent: tuple[jax.Array, ...]
     num_new: jax.Array  # [B] real tokens per row
     rope_len: jax.Array  # the cache's new ``rope_len``
+    index_keys: tuple[jax.Array, ...] | None = None
 
 
 def forward(
@@ -307,7 +317,8 @@ def forward(
     if not all_logits:
         logits = logits[:, 0, :]
     if config.mla is not None:
-        return logits, NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len)
+        keys = None if config.dsa is None else tuple(n[1] for n in new)
+        return logits, NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len, index_keys=keys)
     return logits, NewKV(k=tuple(n[0] for n in new), v=tuple(n[1] for n in new), num_new=num_new, rope_len=rope_len)
 
 
@@ -333,7 +344,10 @@ def append_to_cache(cache: KVCache | LatentCache, new: NewKV | NewLatent) -> KVC
     starts = cache.lengths
     if isinstance(cache, LatentCache):
         latent = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.latent, new.latent))
-        return LatentCache(latent=latent, lengths=starts + new.num_new, rope_len=new.rope_len)
+        keys = None
+        if cache.index_keys is not None:
+            keys = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.index_keys, new.index_keys))
+        return LatentCache(latent=latent, lengths=starts + new.num_new, rope_len=new.rope_len, index_keys=keys)
     k = tuple(_write_rows(c, n.transpose(0, 2, 3, 1), starts, 3) for c, n in zip(cache.k, new.k))
     v = tuple(_write_rows(c, n.transpose(0, 2, 1, 3), starts, 2) for c, n in zip(cache.v, new.v))
     return KVCache(k=k, v=v, lengths=starts + new.num_new, rope_len=new.rope_len)

@@ -60,6 +60,21 @@ class AttentionWeights:
 
 
 @struct.dataclass
+class IndexerWeights:
+    """DeepSeek-V3.2's lightning indexer (see ``DSAConfig``), I = index heads, J = index head dim.
+
+    ``q_b`` [Q,I,J] reads the q LoRA latent; ``k`` [D,J] then LayerNorm (``k_norm``, ``k_norm_bias``
+    [J]) makes the one cached key per token; ``head_weights`` [D,I] weighs each head's score.
+    """
+
+    q_b: Any
+    k: Any
+    k_norm: Any
+    k_norm_bias: Any
+    head_weights: Any
+
+
+@struct.dataclass
 class MLAWeights:
     """Multi-head latent attention (see ``MLAConfig``), Q = q_lora_rank, L = kv_lora_rank, P = nope dim.
 
@@ -78,6 +93,7 @@ class MLAWeights:
     q_a: Any = None
     q_a_norm: Any = None
     q_b: Any = None
+    indexer: IndexerWeights | None = None  # sparse attention (DeepSeek-V3.2) only
 
 
 @struct.dataclass
@@ -152,6 +168,19 @@ def _mla_specs(c: ModelConfig) -> MLAWeights:
         q_a=ParamSpec((D, Q), ("embed", None)) if lora else None,
         q_a_norm=ParamSpec((Q,), (None,), Init.ONES) if lora else None,
         q_b=ParamSpec((Q, N, P + R), (None, "q_heads", "head_dim")) if lora else None,
+        indexer=None if c.dsa is None else _indexer_specs(c),
+    )
+
+
+def _indexer_specs(c: ModelConfig) -> IndexerWeights:
+    D, Q, I, J = c.hidden_size, c.mla.q_lora_rank, c.dsa.heads, c.dsa.head_dim
+    # Index heads are replicated: each query's top-k needs the sum over all of them.
+    return IndexerWeights(
+        q_b=ParamSpec((Q, I, J), (None, None, None)),
+        k=ParamSpec((D, J), ("embed", None)),
+        k_norm=ParamSpec((J,), (None,), Init.ONES),
+        k_norm_bias=ParamSpec((J,), (None,), Init.ZEROS),
+        head_weights=ParamSpec((D, I), ("embed", None)),
     )
 
 

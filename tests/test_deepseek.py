@@ -432,7 +432,7 @@ def test_published_config_parses():
     ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}},
      "quantization_config"),
     ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config"),
-    ({"index_topk": 2048}, "index_topk"),  # DeepSeek-V3.2's sparse-attention indexer: not supported
+    ({"index_topk": 2048}, "index_topk"),  # the indexer belongs to model_type deepseek_v32 (test_dsa.py)
 ])
 def test_bad_deepseek_config_is_refused(change, match):
     raw = {k: v for k, v in {**_published(), **change}.items() if v is not None}
