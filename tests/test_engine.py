@@ -243,8 +243,10 @@ def test_huge_seed_is_rejected_or_works(tiny_engine):
 
 
 def test_sampling_params_boundaries_are_accepted():
-    SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
-    SamplingParams(temperature=5.0, top_k=1, top_p=1e-9, min_p=1.0)
+    off = SamplingParams(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=2**32 - 1)
+    assert off.greedy and not off.filtered
+    edge = SamplingParams(temperature=5.0, top_k=1, top_p=1e-9, min_p=1.0)
+    assert not edge.greedy and edge.filtered
 
 
 @pytest.mark.parametrize(
