@@ -30,7 +30,8 @@ from dayzero.convert.name_map import (
     Combine, Recipe, check_shape, check_targets, group_of, key_in_group, plan, source_tensors,
 )
 from dayzero.convert.sources import Source, open_source
-from dayzero.model.config import ConfigError, ModelConfig, parse_hf_config
+from dayzero.model.config import ConfigError, ModelConfig
+from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.weights import abstract_weights, named_leaves
 
 STORAGE_DTYPES = {

@@ -13,8 +13,8 @@ from dayzero.convert.gguf_config import hf_config_from_gguf
 from dayzero.convert.name_map import NameMap, gguf_name_map, hf_name_map
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, ShardedReader, TorchReader, TensorReader
 from dayzero.convert.tokenizer_export import copy_hf_tokenizer, write_gguf_tokenizer
-from dayzero.model.config import ConfigError, ModelConfig, fp8_block_size
-
+from dayzero.model.config import ConfigError, ModelConfig
+from dayzero.model.hf_config import fp8_block_size
 TORCH_SUFFIXES = (".bin", ".pt", ".pth")
 
 

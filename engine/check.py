@@ -38,7 +38,8 @@ from dayzero.convert.errors import ConvertError
 from dayzero.convert.name_map import source_tensors
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, TorchReader
 from dayzero.convert.sources import TORCH_SUFFIXES, open_source
-from dayzero.model.config import ConfigError, parse_hf_config
+from dayzero.model.config import ConfigError
+from dayzero.model.hf_config import parse_hf_config
 
 SCAN_BLOCK = 1 << 26  # elements per isfinite pass: bounds the boolean temporary to 64 MB
 _SHA_LINE = re.compile(r"^([0-9a-fA-F]{64}) [ *](.+)$")  # sha256sum: text mode "  ", binary " *"

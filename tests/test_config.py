@@ -13,9 +13,9 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from dayzero.model.config import (
-    ConfigError, Family, ModelConfig, RopeConfig, RopeType, load_hf_config, parse_hf_config,
-)
+from dayzero.model.config import ConfigError, Family, ModelConfig, RopeConfig, RopeType
+
+from dayzero.model.hf_config import load_hf_config, parse_hf_config
 from dayzero.model.rope import rope_cos_sin, static_inv_freq, yarn_attention_factor
 
 BASE = {

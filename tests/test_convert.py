@@ -588,8 +588,8 @@ def gguf_config(**changes):
 
 
 def test_gguf_metadata_to_hf_config():
-    from dayzero.model.config import RopeType, parse_hf_config
-
+    from dayzero.model.config import RopeType
+    from dayzero.model.hf_config import parse_hf_config
     config = parse_hf_config(gguf_config(**{"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 4.0}))
     assert (config.num_layers, config.num_kv_heads, config.head_dim) == (2, 2, 16)
     assert config.tie_word_embeddings and config.rope.type is RopeType.LINEAR and config.rope.factor == 4.0

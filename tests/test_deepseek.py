@@ -31,7 +31,8 @@ from safetensors.torch import load_file, save_file
 from dayzero.convert import ConvertError, convert_checkpoint, load_checkpoint
 from dayzero.convert.fp8 import dequantize_blocks
 from dayzero.engine import Engine
-from dayzero.model.config import AttentionKind, ConfigError, Family, ModelConfig, parse_hf_config
+from dayzero.model.config import AttentionKind, ConfigError, Family, ModelConfig
+from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.transformer import LatentCache, append_to_cache, forward, init_cache
 from dayzero.model.weights import named_leaves
 

@@ -30,7 +30,8 @@ import transformers
 from dayzero.convert import convert_checkpoint, load_checkpoint
 from dayzero.engine import Engine
 from dayzero.model import dsa
-from dayzero.model.config import ConfigError, DSAConfig, Family, ModelConfig, parse_hf_config
+from dayzero.model.config import ConfigError, DSAConfig, Family, ModelConfig
+from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.mla import LORA_NORM_EPS
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import rope_cos_sin

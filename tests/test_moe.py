@@ -28,7 +28,8 @@ from safetensors.torch import load_file, save_file
 
 from dayzero.convert import ConvertError, convert_checkpoint, load_checkpoint
 from dayzero.engine import Engine
-from dayzero.model.config import ConfigError, Family, ModelConfig, MoEConfig, parse_hf_config
+from dayzero.model.config import ConfigError, Family, ModelConfig, MoEConfig
+from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.moe import GroupedMatmul, active_experts, grouped_swiglu, moe, route, sort_by_expert
 from dayzero.model.transformer import append_to_cache, forward, init_cache
 from dayzero.model.weights import MoEWeights, named_leaves

@@ -1,0 +1,384 @@
+"""Strict parsing of a Hugging Face ``config.json`` into a :class:`ModelConfig`.
+
+Every key of the source config is either used, explicitly ignored (it does not change what the
+network computes at inference), or checked against the one value we support. Anything else is an
+error that lists the offending keys: a silently ignored key is how a port ends up subtly wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from dayzero.model.config import (
+    AttentionKind,
+    ConfigError,
+    DSAConfig,
+    Family,
+    MLAConfig,
+    MoEConfig,
+    ModelConfig,
+    RopeConfig,
+    RopeType,
+    RouterScore,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traits:
+    """What sets a family apart from plain Llama, as HF's implementation of it behaves."""
+
+    qkv_bias: bool = False  # q/k/v biases even when attention_bias is false (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each q and k head (Qwen3)
+    slides_by_default: bool = False  # sliding_window applies without use_sliding_window (Mistral)
+    windows_from_layer_0: bool = False  # a window applies to every layer; max_window_layers is not read
+    moe: bool = False  # sparse Mixture-of-Experts blocks (see MoEConfig)
+    mla: bool = False  # multi-head latent attention and DeepSeek-V3 routing (see MLAConfig)
+    dsa: bool = False  # a lightning indexer picks the tokens latent attention reads (see DSAConfig)
+
+
+_TRAITS = {
+    Family.LLAMA: _Traits(),
+    Family.MISTRAL: _Traits(slides_by_default=True, windows_from_layer_0=True),
+    Family.QWEN2: _Traits(qkv_bias=True),
+    Family.QWEN3: _Traits(qk_norm=True),
+    Family.MIXTRAL: _Traits(slides_by_default=True, windows_from_layer_0=True, moe=True),
+    Family.QWEN3_MOE: _Traits(qk_norm=True, windows_from_layer_0=True, moe=True),
+    Family.DEEPSEEK_V3: _Traits(moe=True, mla=True),
+    Family.KIMI_K2: _Traits(moe=True, mla=True),
+    Family.DEEPSEEK_V32: _Traits(moe=True, mla=True, dsa=True),
+}
+
+
+# Keys that do not change what the network computes at inference time.
+_IGNORED_KEYS = frozenset(
+    {
+        "architectures", "transformers_version", "torch_dtype", "dtype", "initializer_range",
+        "use_cache", "pad_token_id", "attention_dropout", "_name_or_path", "tokenizer_class",
+        "output_attentions", "output_hidden_states", "return_dict", "pretraining_tp",
+        "is_decoder", "chunk_size_feed_forward", "tie_encoder_decoder", "keys_to_ignore_at_inference",
+        "id2label", "label2id", "problem_type",  # classification-head metadata
+        "bos_token_id", "eos_token_id",  # read separately: they steer generation, not the forward pass
+    }
+)
+
+# Keys whose only supported value is the given one (the default in HF).
+_REQUIRED_VALUES = {
+    "hidden_act": ("silu",),
+    "mlp_bias": (False,),
+    "is_encoder_decoder": (False,),
+}
+
+
+class _Reader:
+    """Pops keys from an HF config dict and remembers which ones were looked at."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw = raw
+        self.seen: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.seen.add(key)
+        value = self.raw.get(key)
+        return default if value is None else value
+
+    def require(self, key: str) -> Any:
+        self.seen.add(key)
+        if self.raw.get(key) is None:
+            raise ConfigError(f"config.json has no '{key}', which a {self.raw.get('model_type')} model needs")
+        return self.raw[key]
+
+    def leftover(self) -> list[str]:
+        return sorted(set(self.raw) - self.seen - _IGNORED_KEYS)
+
+
+def _parse_rope(r: _Reader, head_dim: int, max_pos: int) -> RopeConfig:
+    """RoPE from either the transformers-5 ``rope_parameters`` or the older ``rope_scaling``."""
+    params = dict(r.get("rope_parameters", {}) or {})
+    legacy = dict(r.get("rope_scaling", {}) or {})
+    params = {**legacy, **params}
+    theta = params.pop("rope_theta", None) or r.get("rope_theta", 10000.0)
+    type_name = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.pop("partial_rotary_factor", r.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ConfigError("partial_rotary_factor != 1 is not supported yet")
+    try:
+        rope_type = RopeType(type_name)
+    except ValueError:
+        supported = ", ".join(t.value for t in RopeType)
+        raise ConfigError(f"unsupported rope_type '{type_name}'; supported: {supported}") from None
+    fields = {f.name for f in dataclasses.fields(RopeConfig)}
+    renamed = {"original_max_position_embeddings": "original_max_position"}
+    kwargs: dict[str, Any] = {}
+    for key, value in params.items():
+        name = renamed.get(key, key)
+        if name not in fields or name in ("type", "theta"):
+            raise ConfigError(f"unknown RoPE parameter '{key}' for rope_type '{type_name}'")
+        kwargs[name] = value
+    if rope_type in (RopeType.LLAMA3, RopeType.YARN):
+        kwargs.setdefault(
+            "original_max_position", r.get("original_max_position_embeddings", max_pos)
+        )
+    if rope_type is RopeType.YARN and kwargs.get("factor") is None:
+        kwargs["factor"] = max_pos / kwargs["original_max_position"]
+    if rope_type is not RopeType.DEFAULT and "factor" not in kwargs:
+        raise ConfigError(f"rope_type '{type_name}' needs a 'factor'")
+    kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("attention_factor", "mscale", "mscale_all_dim")}
+    return RopeConfig(type=rope_type, theta=float(theta), **kwargs)
+
+
+def _sliding_windows(r: _Reader, family: Family, num_layers: int) -> tuple[int | None, ...]:
+    traits = _TRAITS[family]
+    window = r.get("sliding_window")
+    layer_types = r.get("layer_types")
+    use_sliding = r.get("use_sliding_window", traits.slides_by_default)
+    # Read (so never reported as unhandled) even where HF ignores it: see windows_from_layer_0.
+    max_window_layers = r.get("max_window_layers", num_layers)
+    first_sliding = 0 if traits.windows_from_layer_0 else max_window_layers
+    if layer_types is None:
+        layer_types = [
+            "sliding_attention" if use_sliding and window and i >= first_sliding else "full_attention"
+            for i in range(num_layers)
+        ]
+    windows = []
+    for kind in layer_types:
+        if kind == "full_attention" or (kind == "indexed_attention" and traits.dsa):
+            windows.append(None)  # DeepSeek-V3.2's indexed layers attend causally over all tokens
+        elif kind == "sliding_attention":
+            if not window:
+                raise ConfigError("layer_types has 'sliding_attention' but sliding_window is not set")
+            windows.append(int(window))
+        else:
+            raise ConfigError(f"unsupported layer type '{kind}' in layer_types")
+    return tuple(windows)
+
+
+# MoE keys that only matter for training; reading them changes nothing at inference.
+_MOE_TRAINING_ONLY = {
+    "router_aux_loss_coef": "weight of the load-balancing loss",
+    "output_router_logits": "returns router logits for that loss; the tokens' logits are unchanged",
+    "router_jitter_noise": "multiplicative noise HF applies to the router input in training mode only",
+}
+
+
+def _num_experts(r: _Reader) -> int:
+    """E: Mixtral's ``num_local_experts``; Qwen's ``num_experts`` (transformers 5 writes the former)."""
+    local, named = r.get("num_local_experts"), r.get("num_experts")
+    if local is not None and named is not None and local != named:
+        raise ConfigError(f"num_local_experts={local} and num_experts={named} disagree; keep one of them")
+    value = local if local is not None else named
+    if value is None:
+        raise ConfigError("config.json has neither 'num_local_experts' nor 'num_experts', which a MoE model needs")
+    return int(value)
+
+
+def _qwen_moe_layers(r: _Reader, num_layers: int) -> tuple[bool, ...]:
+    """HF Qwen3-MoE: layer i is sparse iff (i + 1) % decoder_sparse_step == 0 and i not in mlp_only_layers.
+
+    Stricter than HF, which divides by a zero step and silently skips out-of-range indices.
+    """
+    step = r.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError(f"decoder_sparse_step={step!r} must be a positive integer")
+    dense = r.get("mlp_only_layers", [])
+    bad = [i for i in dense if not isinstance(i, int) or not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"mlp_only_layers has {bad}, not layer indices of a {num_layers}-layer model")
+    return tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+
+
+# DeepSeek-V3 / Kimi-K2 keys that only matter for training or for a parallel layout.
+_DEEPSEEK_TRAINING_ONLY = {
+    "aux_loss_alpha": "weight of the auxiliary balance loss",
+    "seq_aux": "computes that loss per sequence",
+    "ep_size": "expert-parallel world size of the reference code; the math is the same on any layout",
+}
+
+
+def _deepseek_moe_layers(r: _Reader, num_layers: int) -> tuple[bool, ...]:
+    """Layers ``first_k_dense_replace`` and up are sparse. DeepSeek's own code also requires
+    ``i % moe_layer_freq == 0`` while HF's ignores it: only 1, where both agree, is accepted.
+    HF deepseek_v32 writes the per-layer list ``mlp_layer_types`` ("dense"/"sparse"), which wins."""
+    first_dense = r.get("first_k_dense_replace", 0)
+    kinds = r.get("mlp_layer_types") if _TRAITS[Family(r.raw["model_type"])].dsa else None
+    if kinds is not None:
+        if len(kinds) != num_layers or set(kinds) - {"dense", "sparse"}:
+            raise ConfigError(f"mlp_layer_types={kinds!r} must give 'dense' or 'sparse' for each of {num_layers} layers")
+        return tuple(k == "sparse" for k in kinds)
+    if not isinstance(first_dense, int) or not 0 <= first_dense <= num_layers:
+        raise ConfigError(f"first_k_dense_replace={first_dense!r} must be between 0 and num_hidden_layers={num_layers}")
+    if r.get("moe_layer_freq", 1) != 1:
+        raise ConfigError(
+            f"moe_layer_freq={r.raw['moe_layer_freq']!r} is not supported (DeepSeek's reference code and HF "
+            "disagree on it); only 1 is"
+        )
+    return tuple(i >= first_dense for i in range(num_layers))
+
+
+def _deepseek_moe(r: _Reader, num_layers: int) -> MoEConfig:
+    """DeepSeek-V3 routing: sigmoid scores, a selection bias (noaux_tc), group-limited top-k."""
+    r.seen.update(_DEEPSEEK_TRAINING_ONLY)
+    for key, allowed in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if r.get(key, allowed) != allowed:
+            raise ConfigError(f"{key}={r.raw[key]!r} is not supported for {r.raw['model_type']}; only {allowed!r} is")
+    return MoEConfig(
+        int(r.require("n_routed_experts")), int(r.require("num_experts_per_tok")),
+        int(r.require("moe_intermediate_size")), _deepseek_moe_layers(r, num_layers),
+        score=RouterScore.SIGMOID, renormalize=bool(r.get("norm_topk_prob", False)), score_bias=True,
+        num_groups=int(r.get("n_group", 1)), groups_per_token=int(r.get("topk_group", 1)),
+        routed_scaling=float(r.get("routed_scaling_factor", 1.0)), shared_experts=int(r.get("n_shared_experts", 0)),
+    )
+
+
+def _parse_mla(r: _Reader, num_heads: int) -> MLAConfig:
+    """Latent attention sizes; HF's derived ``head_dim`` / ``qk_head_dim`` must agree with them."""
+    mla = MLAConfig(
+        q_lora_rank=None if r.get("q_lora_rank") is None else int(r.raw["q_lora_rank"]),
+        kv_lora_rank=int(r.require("kv_lora_rank")),
+        nope_dim=int(r.require("qk_nope_head_dim")),
+        rope_dim=int(r.require("qk_rope_head_dim")),
+        v_head_dim=int(r.require("v_head_dim")),
+        rope_interleave=bool(r.get("rope_interleave", True)),
+    )
+    derived = {"head_dim": mla.rope_dim, "qk_head_dim": mla.nope_dim + mla.rope_dim, "num_key_value_heads": num_heads}
+    for key, expected in derived.items():
+        if r.get(key, expected) != expected:
+            raise ConfigError(f"{key}={r.raw[key]!r} contradicts the latent attention sizes, which imply {expected}")
+    if r.get("attention_bias", False):
+        raise ConfigError("attention_bias=true is not supported for latent attention")
+    return mla
+
+
+def _parse_dsa(r: _Reader) -> DSAConfig:
+    """The indexer of DeepSeek-V3.2 (defaults: HF DeepseekV32Config's)."""
+    dsa = DSAConfig(topk=int(r.get("index_topk", 2048)), heads=int(r.get("index_n_heads", 64)),
+                    head_dim=int(r.get("index_head_dim", 128)))
+    if min(dsa.topk, dsa.heads, dsa.head_dim) < 1:
+        raise ConfigError(f"index_topk, index_n_heads and index_head_dim must be positive, got {dsa}")
+    # HF's deepseek_v32 always rotates the main attention's interleaved pairs and has no such key.
+    if not r.get("rope_interleave", True):
+        raise ConfigError("rope_interleave=false is not supported for deepseek_v32 (its attention is interleaved)")
+    return dsa
+
+
+def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
+    """The [out, in] block of a fine-grained FP8 checkpoint's ``quantization_config`` (None: none).
+
+    Only DeepSeek's scheme is accepted: float8_e4m3fn weights with one ``weight_scale_inv`` per
+    block; dynamic activation scales concern FP8 matmuls, not the dequantized weights.
+    """
+    q = raw.get("quantization_config")
+    if q is None:
+        return None
+    q = {k: v for k, v in q.items() if k != "modules_to_not_convert"}  # the converter sees which are FP8
+    block = q.pop("weight_block_size", None)
+    expected = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    if any(q.get(k, v) != v for k, v in expected.items()) or set(q) - set(expected) or not (
+            isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ConfigError(
+            f"quantization_config {raw['quantization_config']!r} is not supported; only block-wise FP8 "
+            "(quant_method 'fp8', fmt 'e4m3', weight_block_size [out, in]) is"
+        )
+    return int(block[0]), int(block[1])
+
+
+def _parse_moe(r: _Reader, family: Family, num_layers: int) -> MoEConfig | None:
+    """The experts of a MoE family (None for dense families, whose configs may not use these keys)."""
+    if not _TRAITS[family].moe:
+        return None
+    r.seen.update(_MOE_TRAINING_ONLY)
+    if _TRAITS[family].mla:
+        return _deepseek_moe(r, num_layers)
+    num_experts = _num_experts(r)
+    top_k = int(r.require("num_experts_per_tok"))
+    if family is Family.MIXTRAL:  # every layer sparse, experts as wide as intermediate_size
+        return MoEConfig(num_experts, top_k, int(r.require("intermediate_size")), (True,) * num_layers)
+    return MoEConfig(
+        num_experts, top_k, int(r.require("moe_intermediate_size")), _qwen_moe_layers(r, num_layers),
+        renormalize=bool(r.get("norm_topk_prob", False)),
+    )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
+    """Build a :class:`ModelConfig` from an HF config dict, refusing anything it would get wrong."""
+    model_type = raw.get("model_type")
+    try:
+        family = Family(model_type)
+    except ValueError:
+        supported = ", ".join(f.value for f in Family)
+        raise ConfigError(
+            f"unsupported architecture model_type={model_type!r}; supported: {supported}"
+        ) from None
+    r = _Reader(raw)
+    r.seen.add("model_type")
+    for key, allowed in _REQUIRED_VALUES.items():
+        if r.get(key, allowed[0]) not in allowed:
+            raise ConfigError(f"{key}={raw[key]!r} is not supported; supported: {allowed}")
+    hidden = int(r.require("hidden_size"))
+    num_heads = int(r.require("num_attention_heads"))
+    num_layers = int(r.require("num_hidden_layers"))
+    traits = _TRAITS[family]
+    mla = _parse_mla(r, num_heads) if traits.mla else None
+    # RoPE covers the whole head, or with latent attention only its rotary part.
+    head_dim = mla.rope_dim if mla else int(r.get("head_dim", hidden // num_heads))
+    max_pos = int(r.get("max_position_embeddings", 2048))
+    attention_bias = bool(r.get("attention_bias", False))
+    r.seen.add("quantization_config")
+    fp8_block_size(raw)  # validated here, applied by the converter's reader
+    if traits.mla:
+        # Code pointers of the hub's remote implementation, which dayzero never runs.
+        r.seen.add("auto_map")
+    config = ModelConfig(
+        family=family,
+        vocab_size=int(r.require("vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(r.require("intermediate_size")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(r.get("num_key_value_heads", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(r.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_pos,
+        rope=_parse_rope(r, head_dim, max_pos),
+        tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or traits.qkv_bias,
+        o_bias=attention_bias,
+        qk_norm=traits.qk_norm,
+        sliding_windows=_sliding_windows(r, family, num_layers),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=_token_ids(raw.get("eos_token_id")),
+        moe=_parse_moe(r, family, num_layers),
+        attention=AttentionKind.MLA if mla else AttentionKind.GQA,
+        mla=mla,
+        dsa=_parse_dsa(r) if traits.dsa else None,
+        mtp_layers=int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.mla else 0,
+    )
+    leftover = r.leftover()
+    if leftover:
+        raise ConfigError(
+            f"config.json has keys dayzero does not handle for model_type={model_type!r}: "
+            f"{', '.join(leftover)}; support them in dayzero.model.hf_config before converting"
+        )
+    return config
+
+
+def load_hf_config(path: str | Path) -> ModelConfig:
+    """Parse an HF ``config.json`` file (or the ``config.json`` inside a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {path}; pass an HF model directory") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e})") from None
+    return parse_hf_config(raw)
