@@ -148,3 +148,32 @@ def tiny_engine(tiny_model):
 
     return Engine.load(tiny_model.dir)
 
+
+
+def _incremental_logits(config, weights, ids, prefill: int):
+    """Logits [n - prefill + 1, V] at positions prefill-1 .. n-1 of ``ids`` [1, n]: prefill into an
+    empty cache (the cache-reading path later prefill chunks take), then one token at a time."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dayzero.model.transformer import append_to_cache, forward, init_cache
+
+    step = jax.jit(forward, static_argnums=(1,))
+    append = jax.jit(append_to_cache)
+    n = ids.shape[1]
+    logits, new = step(weights, config, jnp.asarray(ids[:, :prefill]), init_cache(config, 1, n))
+    cache = append(init_cache(config, 1, n), new)
+    out = [np.asarray(logits[0])]
+    for t in range(prefill, n):
+        logits, new = step(weights, config, jnp.asarray(ids[:, t : t + 1]), cache)
+        cache = append(cache, new)
+        out.append(np.asarray(logits[0]))
+    assert int(cache.lengths[0]) == n
+    return np.stack(out)
+
+
+@pytest.fixture(scope="session")
+def incremental_logits():
+    """``(config, weights, ids, prefill) -> logits`` of prefill followed by one-token decode steps."""
+    return _incremental_logits

@@ -31,7 +31,7 @@ from dayzero.engine import Engine
 from dayzero.model.config import ConfigError, Family, ModelConfig, MoEConfig
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.moe import GroupedMatmul, active_experts, grouped_swiglu, moe, route, sort_by_expert
-from dayzero.model.transformer import append_to_cache, forward, init_cache
+from dayzero.model.transformer import append_to_cache, forward
 from dayzero.model.weights import MoEWeights, named_leaves
 
 LONG, SHORT, NEW, PREFILL = 500, 20, 32, 480
@@ -169,19 +169,11 @@ def test_greedy_generation_matches_hf(case):
     assert out.token_ids == ref
 
 
-def test_prefill_then_decode_matches_full_forward(case):
+def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     """(c) prefill 480 tokens, decode 20 one at a time: the logits of one 500-token pass."""
-    config, weights, ids = case.config, case.weights, case.long_ids
-    cache = init_cache(config, 1, LONG)
-    logits, new = _forward(weights, config, jnp.asarray(ids[:, :PREFILL]), cache)
-    cache = _append(cache, new)
-    steps = [np.asarray(logits[0])]
-    for t in range(PREFILL, LONG):
-        logits, new = _forward(weights, config, jnp.asarray(ids[:, t : t + 1]), cache)
-        cache = _append(cache, new)
-        steps.append(np.asarray(logits[0]))
+    steps = incremental_logits(case.config, case.weights, case.long_ids, PREFILL)
     full = case.ours_long[0, PREFILL - 1 :]
-    err = np.abs(np.stack(steps) - full).max()
+    err = np.abs(steps - full).max()
     assert err <= STEP_REL_TOL * np.abs(full).max(), f"{case.name}: {err:.3g}"
 
 

@@ -99,20 +99,6 @@ def _ours_full(case, ids: np.ndarray, empty_cache: bool = False) -> np.ndarray:
     return np.asarray(logits)
 
 
-def _ours_incremental(config, weights, ids: np.ndarray, prefill: int) -> np.ndarray:
-    """Logits [n - prefill + 1, V] at positions prefill-1 .. n-1: prefill, then one token at a time."""
-    n = ids.shape[1]
-    logits, new = _forward(weights, config, jnp.asarray(ids[:, :prefill]), None)
-    cache = _append(init_cache(config, 1, n), new)
-    out = [np.asarray(logits[0])]
-    for t in range(prefill, n):
-        logits, new = _forward(weights, config, jnp.asarray(ids[:, t : t + 1]), cache)
-        cache = _append(cache, new)
-        out.append(np.asarray(logits[0]))
-    assert int(cache.lengths[0]) == n
-    return np.stack(out)
-
-
 def _greedy_margin(logits: np.ndarray) -> float:
     top2 = np.sort(logits)[-2:]
     return float(top2[1] - top2[0])
@@ -198,7 +184,7 @@ def test_greedy_generation_matches_hf(case):
 
 
 @pytest.mark.parametrize("case", [name for name in CASES if name != "rope_dynamic"], indirect=True)
-def test_prefill_then_decode_matches_full_forward(case):
+def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     """(c) prefill 480 tokens, decode 20 one at a time: the logits of one 500-token pass.
 
     Not for dynamic NTK: there the frequencies depend on the longest sequence seen so far. In a
@@ -207,7 +193,7 @@ def test_prefill_then_decode_matches_full_forward(case):
     written while later tokens use the grown one. The two are different computations;
     ``test_dynamic_ntk_incremental_matches_hf_cache`` checks what is true instead.
     """
-    steps = _ours_incremental(case.config, case.weights, case.long_ids, PREFILL)
+    steps = incremental_logits(case.config, case.weights, case.long_ids, PREFILL)
     full = case.ours_long[0, PREFILL - 1 :]
     err = np.abs(steps - full).max()
     assert err <= STEP_REL_TOL * np.abs(full).max(), f"{case.name}: {err:.3g}"
@@ -231,7 +217,7 @@ def _hf_incremental(model, ids: np.ndarray, prefill: int) -> np.ndarray:
 
 @pytest.mark.parametrize("case", ["rope_dynamic"], indirect=True)
 @pytest.mark.parametrize("prefill", [120, PREFILL], ids=["crossing_context", "beyond_context"])
-def test_dynamic_ntk_incremental_matches_hf_cache(case, prefill):
+def test_dynamic_ntk_incremental_matches_hf_cache(case, prefill, incremental_logits):
     """Dynamic NTK, incrementally: same as HF's own incremental decoding with a KV cache.
 
     With prefill 120 and a context of 128 the decode steps cross the original context, where the
@@ -240,7 +226,7 @@ def test_dynamic_ntk_incremental_matches_hf_cache(case, prefill):
     differs from the full pass (checked, so the skip in (c) is not hiding an equality).
     """
     ids = case.long_ids[:, : prefill + 20]
-    ours = _ours_incremental(case.config, case.weights, ids, prefill)
+    ours = incremental_logits(case.config, case.weights, ids, prefill)
     ref = _hf_incremental(case.hf, ids, prefill)
     scale = np.abs(ref).max()
     err = np.abs(ours - ref).max()
