@@ -17,6 +17,7 @@ import jax
 from dayzero.engine import peers
 from dayzero.engine.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
 from dayzero.engine.sampling import SamplingParams
+from dayzero.model.transformer import init_cache
 from dayzero.engine.soak import soak
 
 
@@ -45,13 +46,20 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int
         "rss_mb": rss_mb(),
         "peak_rss_mb": peak_rss_mb(),
         "device_peak_mb": device_peak_mb(),
-        "kv_cache_mb": kv_cache_bytes(engine.config, len(prompts), len(prompts[0]) + new_tokens) / 2**20,
+        "kv_cache_mb": kv_cache_bytes(
+            engine.config, len(prompts), len(prompts[0]) + new_tokens, engine.weights.embed.dtype
+        ) / 2**20,
     }
 
 
-def kv_cache_bytes(config, batch: int, length: int, itemsize: int = 4) -> int:
-    """Bytes of K and V for ``batch`` rows of ``length`` positions (before bucket padding)."""
-    return 2 * config.num_layers * batch * length * config.num_kv_heads * config.head_dim * itemsize
+def kv_cache_bytes(config, batch: int, length: int, dtype) -> int:
+    """Bytes of the cache buffers for ``batch`` rows of ``length`` positions (before bucket padding).
+
+    Read off the shapes ``init_cache`` would allocate (no allocation), so per-head K/V, MLA latent
+    rows and DSA indexer keys are all counted as the model stores them.
+    """
+    cache = jax.eval_shape(lambda: init_cache(config, batch, length, dtype))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache) if x.ndim >= 3)
 
 
 def _int_list(text: str, flag: str) -> list[int]:
