@@ -28,7 +28,9 @@ from dayzero.model.mla import mla_block
 from dayzero.model.moe import moe, swiglu
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import apply_rope, rope_cos_sin
-from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
+from dayzero.model.weights import (
+    AttentionWeights, Init, LayerWeights, MLPWeights, MoEWeights, ParamSpec, Weights, map_specs,
+)
 
 
 @struct.dataclass
@@ -86,28 +88,39 @@ class LatentCache:
         return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache | LatentCache:
-    """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
-    multi-head latent attention, per-head keys and values otherwise)."""
+def cache_specs(config: ModelConfig, batch: int, max_len: int) -> KVCache | LatentCache:
+    """The cache declared abstractly: a :class:`ParamSpec` (shape, logical axes) at every leaf.
+
+    Like ``abstract_weights`` for the weights, this one tree gives the cache's shapes
+    (:func:`init_cache`) and its shardings (``dayzero.sharding.rules.weight_shardings``). The
+    latent cache has no head axis, so its positions carry their own logical axis
+    (``latent_seq``) that a strategy may split where per-head caches keep ``cache_seq`` whole.
+    """
+    lengths = ParamSpec((batch,), ("batch",), Init.ZEROS)
+    rope_len = ParamSpec((), (), Init.ZEROS)
+    layers = range(config.num_layers)
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.rope_dim
+        latent = ParamSpec((batch, max_len, width), ("batch", "latent_seq", None), Init.ZEROS)
         keys = None
         if config.dsa is not None:
-            keys = tuple(jnp.zeros((batch, max_len, config.dsa.head_dim), dtype) for _ in range(config.num_layers))
-        return LatentCache(
-            latent=tuple(jnp.zeros((batch, max_len, width), dtype) for _ in range(config.num_layers)),
-            lengths=jnp.zeros((batch,), jnp.int32),
-            rope_len=jnp.zeros((), jnp.int32),
-            index_keys=keys,
-        )
-    k_shape = (batch, config.num_kv_heads, config.head_dim, max_len)
-    v_shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-    return KVCache(
-        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(config.num_layers)),
-        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(config.num_layers)),
-        lengths=jnp.zeros((batch,), jnp.int32),
-        rope_len=jnp.zeros((), jnp.int32),
-    )
+            key = ParamSpec((batch, max_len, config.dsa.head_dim), ("batch", "latent_seq", None), Init.ZEROS)
+            keys = tuple(key for _ in layers)
+        return LatentCache(latent=tuple(latent for _ in layers), lengths=lengths, rope_len=rope_len, index_keys=keys)
+    K, H = config.num_kv_heads, config.head_dim
+    k = ParamSpec((batch, K, H, max_len), ("batch", "kv_heads", "head_dim", "cache_seq"), Init.ZEROS)
+    v = ParamSpec((batch, K, max_len, H), ("batch", "kv_heads", "cache_seq", "head_dim"), Init.ZEROS)
+    return KVCache(k=tuple(k for _ in layers), v=tuple(v for _ in layers), lengths=lengths, rope_len=rope_len)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, shardings=None) -> KVCache | LatentCache:
+    """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
+    multi-head latent attention, per-head keys and values otherwise), placed by ``shardings``
+    (a matching tree of shardings, e.g. from :func:`cache_specs`) when given."""
+    specs = cache_specs(config, batch, max_len)
+    cache = map_specs(lambda s: jnp.zeros(s.shape, dtype), specs)
+    cache = cache.replace(lengths=jnp.zeros((batch,), jnp.int32), rope_len=jnp.zeros((), jnp.int32))
+    return cache if shardings is None else jax.device_put(cache, shardings)
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:

@@ -38,6 +38,7 @@ LOGICAL_AXES = (
     "vocab",
     "cache_seq",
     "latent",
+    "latent_seq",
 )
 
 
@@ -79,7 +80,10 @@ def _rules(name: str, **overrides: str | None) -> Rules:
 # so each layer needs one reduction after ``o`` and one after ``down``. The vocabulary is split
 # too, since the embedding and lm_head are among the largest matrices. ``embed`` stays
 # replicated: splitting the residual stream would need a collective around every norm.
-_TENSOR = dict(q_heads="tensor", kv_heads="tensor", ffw="tensor", vocab="tensor")
+# The MLA latent cache has no head axis; left whole it would be copied on every tensor device
+# (61 layers x 576 x 2 bytes = 70 KB per token for DeepSeek-V3, 70 GB at 1M tokens), so its
+# positions are split over ``tensor`` instead and the softmax reduces across devices.
+_TENSOR = dict(q_heads="tensor", kv_heads="tensor", ffw="tensor", vocab="tensor", latent_seq="tensor")
 
 
 def single_device() -> Rules:

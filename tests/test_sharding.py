@@ -80,6 +80,32 @@ def test_expert_parallel_splits_experts_and_their_width():
     assert layer.router == P(None, None)
 
 
+def test_cache_specs_resolve_per_strategy():
+    from dataclasses import replace
+
+    from dayzero.model.config import AttentionKind, MLAConfig
+    from dayzero.model.transformer import cache_specs, init_cache
+    from dayzero.model.weights import is_spec
+
+    resolve = lambda specs, rules, mesh: jax.tree.map(  # noqa: E731
+        lambda s: R.spec_for(s.axes, rules, mesh, s.shape), specs, is_leaf=is_spec
+    )
+    config = _tiny_config()
+    dense = resolve(cache_specs(config, 4, 32), R.data_tensor(), FakeMesh(data=2, tensor=4))
+    assert dense.k[0] == P("data", "tensor", None, None)
+    assert dense.v[1] == P("data", "tensor", None, None)
+    assert dense.lengths == P("data")
+    # The latent cache has no head axis: its positions are split over tensor instead.
+    mla = replace(config, attention=AttentionKind.MLA,
+                  mla=MLAConfig(q_lora_rank=None, kv_lora_rank=32, nope_dim=8, rope_dim=8, v_head_dim=8))
+    latent = resolve(cache_specs(mla, 4, 32), R.tensor_parallel(), FakeMesh(tensor=4))
+    assert latent.latent[0] == P(None, "tensor", None)
+    # init_cache allocates exactly the declared shapes.
+    assert jax.tree.map(lambda s: s.shape, cache_specs(mla, 4, 32), is_leaf=is_spec) == jax.tree.map(
+        lambda a: a.shape, init_cache(mla, 4, 32)
+    )
+
+
 def test_make_mesh_checks_the_device_count():
     n = len(jax.devices())
     mesh = R.make_mesh({"tensor": n})
