@@ -116,7 +116,7 @@ def test_flash_reference_matches_model_attend():
     after a full cache (keys = cached then new, queries at offset = cache length)."""
     rng = np.random.default_rng(3)
     B, T, Sc, N, K, H = 2, 6, 10, 4, 2, 16
-    q, k_new, v_new = normal(rng, (B, T, N, H), jnp.float32), normal(rng, (B, T, K, H), jnp.float32), normal(rng, (B, T, K, H), jnp.float32)
+    q, k_new, v_new = (normal(rng, shape, jnp.float32) for shape in [(B, T, N, H), (B, T, K, H), (B, T, K, H)])
     k_cache, v_cache = normal(rng, (B, Sc, K, H), jnp.float32), normal(rng, (B, Sc, K, H), jnp.float32)
     num_new, starts = np.array([6, 4], np.int32), np.full((B,), Sc, np.int32)
     for window in (None, 5):
@@ -180,7 +180,7 @@ def test_paged_attention_window_default_tiles():
     N, K, H = HEADS["gqa"]
     B = len(LENGTHS)
     tables, P = page_table(rng, B)
-    q, k_pages, v_pages = normal(rng, (B, N, H), jnp.float32), normal(rng, (K, P, PAGE, H), jnp.float32), normal(rng, (K, P, PAGE, H), jnp.float32)
+    q, k_pages, v_pages = (normal(rng, shape, jnp.float32) for shape in [(B, N, H), (K, P, PAGE, H), (K, P, PAGE, H)])
     expected = run(paged_attention_reference, q, k_pages, v_pages, tables, LENGTHS, window=5, sm_scale=0.3)
     actual = run(paged_attention, q, k_pages, v_pages, tables, LENGTHS, window=5, sm_scale=0.3, mode=INTERPRET)
     assert_close(actual, expected, jnp.float32)
@@ -192,13 +192,13 @@ def test_paged_reference_is_flash_at_the_last_position():
     N, K, H = HEADS["gqa"]
     B = len(LENGTHS)
     tables, P = page_table(rng, B)
-    q, k_pages, v_pages = normal(rng, (B, N, H), jnp.float32), normal(rng, (K, P, PAGE, H), jnp.float32), normal(rng, (K, P, PAGE, H), jnp.float32)
+    q, k_pages, v_pages = (normal(rng, shape, jnp.float32) for shape in [(B, N, H), (K, P, PAGE, H), (K, P, PAGE, H)])
     safe = np.clip(tables, 0, None)
     k = k_pages[:, safe].reshape(K, B, -1, H).transpose(1, 2, 0, 3)
     v = v_pages[:, safe].reshape(K, B, -1, H).transpose(1, 2, 0, 3)
     flash = run(flash_attention_reference, q[:, None], k, v, q_offsets=np.maximum(LENGTHS - 1, 0), kv_lengths=LENGTHS)
-    np.testing.assert_allclose(run(paged_attention_reference, q, k_pages, v_pages, tables, LENGTHS), np.asarray(flash)[:, 0],
-                               rtol=1e-6, atol=1e-6)
+    paged = run(paged_attention_reference, q, k_pages, v_pages, tables, LENGTHS)
+    np.testing.assert_allclose(paged, np.asarray(flash)[:, 0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -246,7 +246,7 @@ def test_sparse_reference_matches_model_attend_gathered():
     rows then the new ones, and a pick that is not visible becomes -1."""
     rng = np.random.default_rng(9)
     B, T, S, N, C, k, L = 2, 4, 12, 4, 40, 6, 32
-    q, cache, new = normal(rng, (B, T, N, C), jnp.float32), normal(rng, (B, S, C), jnp.float32), normal(rng, (B, T, C), jnp.float32)
+    q, cache, new = (normal(rng, shape, jnp.float32) for shape in [(B, T, N, C), (B, S, C), (B, T, C)])
     indices = np.stack([[rng.permutation(S + T)[:k] for _ in range(T)] for _ in range(B)]).astype(np.int32)
     visible = rng.random((B, T, k)) < 0.8
     num_new = np.array([T, T - 1], np.int32)
