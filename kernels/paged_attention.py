@@ -104,10 +104,13 @@ def validate_paged_attention(q, k_pages, v_pages, block_tables, lengths, sm_scal
     return float(sm_scale)
 
 
-def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Each sequence's pages in order: pages [P,page,...] -> [B, pages_per_seq*page, ...]."""
-    rows = pages[jnp.clip(block_tables, 0, pages.shape[0] - 1)]  # [B, pages_per_seq, page, ...]
-    return rows.reshape(rows.shape[0], rows.shape[1] * rows.shape[2], *rows.shape[3:])
+def gather_pages(pages: jax.Array, block_tables: jax.Array, axis: int = 0) -> jax.Array:
+    """Each sequence's pages in order: the [P, page] axes of ``pages`` starting at ``axis``
+    become [B, pages_per_seq*page] (only the pages in the tables are read, the pool is not
+    relaid out)."""
+    rows = jnp.take(pages, jnp.clip(block_tables, 0, pages.shape[axis] - 1), axis=axis)
+    shape = rows.shape
+    return rows.reshape(*shape[:axis], shape[axis], shape[axis + 1] * shape[axis + 2], *shape[axis + 3:])
 
 
 def decode_mask(lengths: jax.Array, S: int, window: int | None) -> jax.Array:
@@ -121,18 +124,18 @@ def decode_mask(lengths: jax.Array, S: int, window: int | None) -> jax.Array:
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, window=None):
     """Pure-jnp paged decode attention with the contract of :func:`paged_attention`: gathers
-    each sequence's keys and values into a contiguous [B,S,K,H], then plain softmax attention."""
+    each sequence's keys and values into a contiguous [K,B,S,H], then plain softmax attention."""
     sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, lengths, sm_scale, window)
     B, N, H = q.shape
     K = k_pages.shape[0]
-    k = gather_pages(jnp.moveaxis(k_pages, 0, 2), block_tables)  # [B,S,K,H]
-    v = gather_pages(jnp.moveaxis(v_pages, 0, 2), block_tables)
-    mask = decode_mask(lengths, k.shape[1], window)[:, None, None, :]  # [B,1,1,S]
-    scores = jnp.einsum("bkgh,bskh->bkgs", q.reshape(B, K, N // K, H), k,
+    k = gather_pages(k_pages, block_tables, axis=1)  # [K,B,S,H]
+    v = gather_pages(v_pages, block_tables, axis=1)
+    visible = decode_mask(lengths, k.shape[2], window)  # [B,S]
+    scores = jnp.einsum("bkgh,kbsh->bkgs", q.reshape(B, K, N // K, H), k,
                         preferred_element_type=jnp.float32) * sm_scale
-    probs = tiles.masked_softmax(scores, mask)
-    v = jnp.where(mask.transpose(0, 3, 1, 2), v.astype(jnp.float32), 0.0)  # stale slots can't leak (0*inf)
-    return jnp.einsum("bkgs,bskh->bkgh", probs, v).reshape(B, N, H).astype(q.dtype)
+    probs = tiles.masked_softmax(scores, visible[:, None, None, :])
+    v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)  # stale slots can't leak (0*inf)
+    return jnp.einsum("bkgs,kbsh->bkgh", probs, v).reshape(B, N, H).astype(q.dtype)
 
 
 def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale: float, window,

