@@ -1,0 +1,174 @@
+"""Pieces shared by the Pallas kernels: head-dim parts, tile products, online softmax, checks.
+
+Pallas Triton only loads and stores arrays whose size is a power of two, and Triton's matrix
+product wants every side >= 16. Rather than pad the caches (a copy of the whole KV pool), each
+kernel splits the head dim into power-of-two parts (``pow2_parts``: 576 = 512 + 64, 96 = 64 + 32)
+and works on those parts: a score is the sum of the parts' dot products, an output is stored
+part by part. Parts narrower than 16 use a broadcast multiply-and-sum instead of a matmul.
+
+The online softmax keeps, per query row, the running max ``m``, the running sum ``l`` of
+exp(score - m) and the unnormalised output ``acc`` (one array per value part), all in fp32.
+``m`` starts at a large finite negative number, not -inf: masked scores are -inf, so a tile (or
+a whole row) with nothing visible adds exp(-inf) = 0 and never computes inf - inf = NaN. A row
+that saw no key ends with l == 0 and its output is defined as zeros.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dayzero.kernels.mode import KernelError
+
+# Running-max start value: below any real score, finite so that exp(m_old - m_new) stays defined.
+M_INIT = -1e30
+# Triton's tl.dot needs each side of a product to be at least this long.
+MIN_DOT = 16
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+Parts = tuple[tuple[int, int], ...]  # (offset, size) of each power-of-two part of a dim
+
+
+def pow2_parts(n: int, offset: int = 0) -> Parts:
+    """Split ``n`` columns starting at ``offset`` into power-of-two parts, largest first."""
+    parts, start = [], offset
+    for bit in reversed(range(n.bit_length())):
+        size = 1 << bit
+        if n & size:
+            parts.append((start, size))
+            start += size
+    return tuple(parts)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (and >= 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
+    """``x`` padded with ``value`` at the end of ``axis`` to ``size`` (no copy if already there)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def dot_nt(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [m, d] . b [n, d]^T -> fp32 [m, n]."""
+    if a.shape[1] >= MIN_DOT:
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.sum(a[:, None, :].astype(jnp.float32) * b[None, :, :].astype(jnp.float32), axis=2)
+
+
+def dot_nn(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a [m, n] . b [n, d] -> fp32 [m, d]."""
+    if b.shape[1] >= MIN_DOT:
+        return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return jnp.sum(a[:, :, None].astype(jnp.float32) * b[None, :, :].astype(jnp.float32), axis=1)
+
+
+def part_scores(q_parts: list[jax.Array], k_parts: list[jax.Array], sm_scale: float) -> jax.Array:
+    """Scaled fp32 scores [rows, keys] of queries against keys given part by part."""
+    scores = dot_nt(q_parts[0], k_parts[0])
+    for q, k in zip(q_parts[1:], k_parts[1:]):
+        scores = scores + dot_nt(q, k)
+    return scores * sm_scale
+
+
+def softmax_init(rows: int, value_parts: Parts):
+    """Empty online-softmax state for ``rows`` query rows: (m, l, acc per value part)."""
+    m = jnp.full((rows,), M_INIT, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc = tuple(jnp.zeros((rows, size), jnp.float32) for _, size in value_parts)
+    return m, l, acc
+
+
+def softmax_update(state, scores: jax.Array, v_parts: list[jax.Array]):
+    """Fold one tile of masked scores [rows, keys] (-inf where hidden) and its values
+    (one [keys, part] array per value part) into the state."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    rescale = jnp.exp(m - m_new)
+    p = jnp.exp(scores - m_new[:, None])
+    l = l * rescale + jnp.sum(p, axis=1)
+    # The value product runs in the values' dtype (bf16 tensor cores on GPU), accumulating in fp32.
+    acc = tuple(a * rescale[:, None] + dot_nn(p.astype(v.dtype), v) for a, v in zip(acc, v_parts))
+    return m_new, l, acc
+
+
+def softmax_finish(state) -> tuple[jax.Array, ...]:
+    """Normalised fp32 outputs per value part; zeros for rows that saw no key."""
+    _, l, acc = state
+    seen = l > 0
+    inv = jnp.where(seen, 1.0 / jnp.where(seen, l, 1.0), 0.0)
+    return tuple(a * inv[:, None] for a in acc)
+
+
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int) -> jax.Array:
+    """Merge partial softmax results computed over disjoint key ranges along ``axis``.
+
+    ``acc`` [..., split, ..., rows, D] unnormalised, ``m``/``l`` the same without D. Returns the
+    normalised fp32 output with ``axis`` removed (zeros where no split saw a key).
+    """
+    m_all = jnp.max(m, axis=axis, keepdims=True)
+    weight = jnp.exp(m - m_all)
+    total = jnp.sum(l * weight, axis=axis)
+    out = jnp.sum(acc * weight[..., None], axis=axis)
+    seen = total > 0
+    return jnp.where(seen[..., None], out / jnp.where(seen, total, 1.0)[..., None], 0.0)
+
+
+def store_parts(ref, outs: tuple[jax.Array, ...], parts: Parts) -> None:
+    """Write each part's [rows, size] output into its columns of ``ref`` [rows, D]."""
+    for (offset, size), out in zip(parts, outs):
+        ref[:, offset:offset + size] = out.astype(ref.dtype)
+
+
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """For the references: fp32 softmax of ``scores`` over its last axis where ``mask``; rows
+    with nothing visible give zeros (not NaN)."""
+    probs = jax.nn.softmax(jnp.where(mask, scores.astype(jnp.float32), -jnp.inf), axis=-1)
+    return jnp.where(mask, probs, 0.0)
+
+
+# --- validation helpers (the per-op validators are built from these) ---
+
+
+def check_rank(op: str, name: str, x, rank: int, layout: str) -> None:
+    """Raise unless ``x`` has ``rank`` axes (``layout`` names them, e.g. "[B,T,N,H]")."""
+    if len(x.shape) != rank:
+        raise KernelError(f"{op}: {name} must be {layout}, got shape {tuple(x.shape)}")
+
+
+def check_float(op: str, name: str, x, dtype=None) -> None:
+    """Raise unless ``x`` is fp32/bf16/fp16 (and equals ``dtype`` when given)."""
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise KernelError(f"{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+        raise KernelError(f"{op}: {name} has dtype {x.dtype} but q has {dtype}; cast it to q's dtype")
+
+
+def check_int_vector(op: str, name: str, x, length: int) -> None:
+    """Raise unless ``x`` is an int32 vector [length] (None is allowed by the caller first)."""
+    if tuple(x.shape) != (length,) or jnp.dtype(x.dtype) != jnp.int32:
+        raise KernelError(f"{op}: {name} must be int32 [B={length}], got {x.dtype}{list(x.shape)}")
+
+
+def check_scale(op: str, sm_scale) -> None:
+    """Raise unless ``sm_scale`` is a positive Python number (it is baked into the kernel)."""
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise KernelError(f"{op}: sm_scale must be a positive number, got {sm_scale!r}")
+
+
+def check_window(op: str, window) -> None:
+    """Raise unless ``window`` is None or a positive int."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise KernelError(f"{op}: window must be None or a positive int, got {window!r}")
+
