@@ -168,7 +168,9 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _read_config(root: Path) -> ModelConfig:
+def read_config(root: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a converted checkpoint (read before its weights, e.g. to place them)."""
+    root = Path(root)
     try:
         return ModelConfig.from_json(json.loads((root / "config.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -222,7 +224,7 @@ def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = 
     """
     root = Path(dst)
     manifest = read_manifest(root)
-    config = _read_config(root)
+    config = read_config(root)
     specs = abstract_weights(config)
     groups = _checked_groups(root, manifest, specs)
     if shardings is None:
@@ -243,7 +245,7 @@ def verify_checkpoint(dst: str | Path) -> int:
     """
     root = Path(dst)
     manifest = read_manifest(root)
-    specs = abstract_weights(_read_config(root))
+    specs = abstract_weights(read_config(root))
     groups = _checked_groups(root, manifest, specs)
     stored = jnp.dtype(manifest["dtype"])
     # Restore in the stored dtype on the host so the bytes hashed are the bytes written.

@@ -60,6 +60,11 @@ class Rules:
         # Freeze the table: rules objects are shared between callers and must not drift.
         object.__setattr__(self, "table", MappingProxyType(dict(self.table)))
 
+    def __hash__(self) -> int:
+        # Rules travel as jit static arguments (inside a Placement), so they must hash; the
+        # read-only table does not, its items do.
+        return hash((self.name, tuple(sorted(self.table.items(), key=lambda kv: kv[0]))))
+
     def mesh_axis(self, logical: str | None) -> str | None:
         """The mesh axis that ``logical`` is split over (None: replicated, or an unnamed dim)."""
         if logical is None:
