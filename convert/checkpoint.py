@@ -12,6 +12,13 @@ Layout of a converted checkpoint ``DST``::
 
 One checkpoint per layer is what keeps conversion streaming (one layer's arrays in memory at a
 time) and lets a loader restore group by group.
+
+Converted for a mesh (``convert --mesh``), each leaf is written as a ``jax.Array`` laid out by
+the mesh's rules: its zarr chunks are the per-device shards (split further down to
+``CHUNK_BYTES``), each process writes the shards it holds, and the manifest records the mesh,
+the rules and every leaf's partition spec. Without a mesh, arrays are written whole from the
+host. Either way the loader restores every leaf straight into whatever sharding the loading run
+asks for: chunks are a storage layout, not a constraint on the reader.
 """
 
 from __future__ import annotations
@@ -122,8 +129,15 @@ class GroupWriter:
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry)
         self._ckpt = ocp.Checkpointer(handler)
 
-    def save(self, group: str, arrays: dict[tuple[str, ...], np.ndarray]) -> None:
-        """Write ``arrays`` (keyed by their path inside the group) as ``weights/<group>``."""
+    def save(self, group: str, arrays: dict[tuple[str, ...], np.ndarray], shardings: dict | None = None) -> None:
+        """Write ``arrays`` (keyed by their path inside the group) as ``weights/<group>``.
+
+        With ``shardings`` (same keys), each array is first laid out as a global ``jax.Array``
+        with that sharding (every process passes the same host values and keeps its own
+        shards), so Orbax writes one set of chunks per shard.
+        """
+        if shardings is not None:
+            arrays = {k: _global_array(v, shardings[k]) for k, v in arrays.items()}
         tree = nest(arrays)
         save_args = jax.tree.map(lambda _: self._ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
         notice = _DropOcdbtMergeNotice()
@@ -137,6 +151,10 @@ class GroupWriter:
     def close(self) -> None:
         """Release Orbax's resources."""
         self._ckpt.close()
+
+
+def _global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:

@@ -180,9 +180,11 @@ def make_mesh(axes: Mapping[str, int], devices: list | None = None) -> Mesh:
         raise MeshError(f"mesh sizes must be >= 1, got {dict(axes)}")
     devices = list(jax.devices() if devices is None else devices)
     if math.prod(shape) != len(devices):
+        given = ",".join(f"{a}={s}" for a, s in axes.items())
         raise MeshError(
-            f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices but there are "
-            f"{len(devices)}; the sizes must multiply to the device count"
+            f"mesh {given} needs {math.prod(shape)} devices but there are {len(devices)}; make the "
+            "sizes multiply to the device count (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+            "fakes N devices)"
         )
     # Auto axis types: the model does not yet annotate out_sharding on its contractions, which
     # Explicit mode would require; XLA's propagation places the intermediates instead.
