@@ -267,7 +267,27 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, _user_errors()):
             print(f"dayzero: error: {e}", file=sys.stderr)
             return 2
+        _exit_if_peer_lost(args, e)
         raise
+
+
+def _exit_if_peer_lost(args: argparse.Namespace, error: Exception) -> None:
+    """In a multi-host run, a runtime error from a collective means a peer process has gone.
+
+    Say so in one line and leave at once: a normal exit would wait in the runtime's shutdown
+    barrier for the dead peer until its timeout, then abort with a stack dump.
+    """
+    import jax
+
+    if getattr(args, "num_processes", None) is None or not isinstance(error, jax.errors.JaxRuntimeError):
+        return
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    print(
+        f"dayzero: error: process {args.process_id} of {args.num_processes} stopped: a collective with "
+        f"the other processes failed ({first[:200]}); another process has probably died, see its log",
+        file=sys.stderr, flush=True,
+    )
+    os._exit(1)
 
 
 if __name__ == "__main__":
