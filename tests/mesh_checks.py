@@ -179,7 +179,32 @@ def part_checkpoint(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
         "same_logits": bool(np.array_equal(np.asarray(run(back, tokens)), ref)),
         "verified_leaves": verify_checkpoint(mesh_dir),
     })
+    out["cli"] = cli_on_mesh(hf_dir, one_device_dir, mesh_dir)
     return out
+
+
+def cli_on_mesh(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
+    """``generate`` and ``verify`` with ``--mesh``, against the one-device engine."""
+    import contextlib
+    import io
+
+    from dayzero.engine.cli import main
+
+    def run(*argv) -> tuple[int, dict]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main([str(a) for a in argv])
+        return rc, json.loads(out.getvalue().strip().splitlines()[-1])
+
+    ids = [5, 3, 2, 7, 1, 9]
+    one = Engine.load(one_device_dir).generate(ids, max_new_tokens=NEW, logprobs=True, ignore_eos=True)
+    rc, gen = run("generate", "--model", mesh_dir, "--prompt-ids", ",".join(map(str, ids)),
+                  "--max-new-tokens", NEW, "--json", "--logprobs", "--mesh", "data=2,tensor=4")
+    vrc, report = run("verify", "--model", one_device_dir, "--reference", hf_dir, "--json",
+                      "--prompt-ids", ",".join(map(str, ids * 4)), "--mesh", "tensor=8")
+    return {"generate_rc": rc, "same_tokens": gen["token_ids"] == one.token_ids,
+            "logprob_diff": max(abs(a - b) for a, b in zip(gen["logprobs"], one.logprobs)),
+            "verify_rc": vrc, "verify_passed": report["passed"]}
 
 
 PARTS = {"dense": part_dense, "moe": part_moe, "checkpoint": part_checkpoint}

@@ -1,5 +1,6 @@
 """Checkpoints across meshes (8 faked CPU devices): converted on one device and loaded into
-tensor=8, converted for data=2 x tensor=4 and loaded on one device -- same values, same logits."""
+tensor=8, converted for data=2 x tensor=4 and loaded on one device -- same values, same logits.
+Also the CLI on a mesh: ``generate --mesh`` and ``verify --mesh`` on these checkpoints."""
 
 from __future__ import annotations
 
@@ -34,3 +35,9 @@ def test_mesh_conversion_loads_on_one_device(result):
     assert len(result["one_device_devices"]) == 1
     assert result["same_values"] and result["same_logits"]
     assert result["verified_leaves"] == 21  # every leaf's bytes match the manifest checksums
+
+
+def test_cli_generate_and_verify_on_a_mesh(result):
+    cli = result["cli"]
+    assert cli["generate_rc"] == 0 and cli["same_tokens"] and cli["logprob_diff"] < 1e-5
+    assert cli["verify_rc"] == 0 and cli["verify_passed"]  # against HF, with the model on tensor=8
