@@ -20,7 +20,8 @@ import numpy as np
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
 from dayzero.model.config import ModelConfig
-from dayzero.model.moe_parallel import ExpertParallel, check_expert_parallel
+from dayzero.model.moe_parallel import check_expert_parallel
+from dayzero.model.parallel import Parallel
 from dayzero.model.transformer import KVCache, append_to_cache, cache_specs, forward, init_cache
 from dayzero.model.weights import Weights, abstract_weights
 from dayzero.sharding.distributed import MeshError
@@ -115,9 +116,7 @@ class Engine:
         if placement is not None:  # a no-op for weights loaded straight into their shardings
             weights = jax.device_put(weights, placement.shardings(placed_weight_specs(config, weights.lm_head is not None)))
         self.weights = weights
-        self._expert_parallel = (
-            ExpertParallel(placement) if placement is not None and placement.axes["expert"] > 1 else None
-        )
+        self._parallel = None if placement is None else Parallel(placement)
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else config.eos_token_ids)
         self.compile_s = 0.0  # seconds spent compiling steps so far
@@ -172,7 +171,7 @@ class Engine:
     # ---- compiled pieces -------------------------------------------------------------------
 
     def _step_impl(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache=None):
-        logits, new = forward(weights, self.config, tokens, cache, num_new, expert_parallel=self._expert_parallel)
+        logits, new = forward(weights, self.config, tokens, cache, num_new, parallel=self._parallel)
         next_tokens, logprobs = sample(logits, rows, step, mode)
         if self.placement is not None:
             # Replicated: every process reads them back, and the next step gets the same layout

@@ -299,11 +299,11 @@ def run_dayzero(dst: Path, ids: list[int], placement: Any = None) -> tuple[list[
 
     from dayzero.convert import load_checkpoint
     from dayzero.convert.checkpoint import read_config
-    from dayzero.model.moe_parallel import ExpertParallel
+    from dayzero.model.parallel import Parallel
     from dayzero.model.transformer import forward
     from dayzero.model.weights import abstract_weights
 
-    shardings = expert_parallel = None
+    shardings = parallel = None
     tokens = np.asarray([ids], np.int32)
     if placement is not None:
         from dayzero.engine.generate import check_placement
@@ -311,14 +311,14 @@ def run_dayzero(dst: Path, ids: list[int], placement: Any = None) -> tuple[list[
         config = read_config(dst)
         check_placement(config, placement)
         shardings = placement.shardings(abstract_weights(config))
-        expert_parallel = ExpertParallel(placement) if placement.axes["expert"] > 1 else None
+        parallel = Parallel(placement)
         tokens = placement.replicate(tokens)
     config, weights = load_checkpoint(dst, jnp.float32, shardings)
 
     def run(weights, config, tokens):
         hidden: list = []  # filled during tracing and returned, so no tracer escapes the jit
         logits, _ = forward(weights, config, tokens, cache=None, all_logits=True, hidden_out=hidden,
-                            expert_parallel=expert_parallel)
+                            parallel=parallel)
         if placement is not None:  # whole on every device, so every process can read them
             return jax.lax.with_sharding_constraint((logits, hidden), placement.replicated())
         return logits, hidden

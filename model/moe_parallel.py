@@ -18,7 +18,7 @@ written out:
    over ``tensor``). The output leaves ``shard_map`` split over ``expert`` and is joined by
    XLA into the replicated hidden state.
 
-Capacity policy (``ExpertParallel.capacity_factor``): the send buffer holds ``capacity`` rows
+Capacity policy (``Parallel.capacity_factor``): the send buffer holds ``capacity`` rows
 per destination. The default (None) is the no-drop worst case, every pair of a device's tokens
 going to one destination: capacity = tokens per device x C. Nothing is ever dropped, and the
 results equal the one-device block's; the buffers and the all_to_all carry ep x that many rows,
@@ -33,9 +33,7 @@ and grouped SwiGLU and adds only the dispatch.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -43,41 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from dayzero.model.config import MoEConfig
 from dayzero.model.moe import GroupedMatmul, grouped_swiglu, route, sort_by_expert, swiglu
+from dayzero.model.parallel import Parallel
 from dayzero.model.weights import MoEWeights
-from dayzero.sharding.placement import Placement
-
-EXPERT_AXIS = "expert"
-TENSOR_AXIS = "tensor"
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertParallel:
-    """How MoE blocks run on a mesh with ``expert`` > 1: the placement and the capacity policy.
-
-    ``capacity_factor`` None: no-drop buffers (see the module docstring); a float > 0: buffers of
-    that factor times the average load per destination, dropping overflow.
-    """
-
-    placement: Placement
-    capacity_factor: float | None = None
-    impl: GroupedMatmul | None = None
-
-    def __post_init__(self):
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor {self.capacity_factor} must be > 0 (or None for no drops)")
-
-    @property
-    def size(self) -> int:
-        """ep, the number of devices along the ``expert`` axis."""
-        return int(self.placement.mesh.shape[EXPERT_AXIS])
-
-    def capacity(self, tokens_per_device: int, experts_per_token: int) -> int:
-        """Rows of the send buffer per destination device."""
-        worst = tokens_per_device * experts_per_token
-        if self.capacity_factor is None:
-            return worst
-        return max(1, min(worst, math.ceil(self.capacity_factor * worst / self.size)))
-
 
 def check_expert_parallel(num_experts: int, ep: int) -> None:
     """Raise ValueError unless ``num_experts`` splits evenly over ``ep`` devices."""
@@ -88,18 +53,18 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
         )
 
 
-def _expert_specs(w: MoEWeights, par: ExpertParallel) -> tuple[MoEWeights, bool]:
-    """The shard_map in_specs of the routed-expert weights, and whether their width is split."""
+def _expert_specs(w: MoEWeights, par: Parallel) -> tuple[MoEWeights, str | None]:
+    """The shard_map in_specs of the routed-expert weights, and the mesh axis splitting their width."""
     sharding = lambda axes, x: par.placement.sharding(axes, x.shape).spec  # noqa: E731
     gate = sharding(("experts", "embed", "ffw"), w.gate)
     down = sharding(("experts", "ffw", "embed"), w.down)
-    if gate[0] != EXPERT_AXIS:
-        raise ValueError(f"the rules {par.placement.rules.name!r} do not split experts over {EXPERT_AXIS!r}")
+    if gate[0] != par.mesh_axis("experts"):
+        raise ValueError(f"experts {w.gate.shape[0]} are not split over the mesh by rules {par.placement.rules.name!r}")
     specs = MoEWeights(
         router=P(), gate=gate, up=gate, down=down,
         score_bias=None if w.score_bias is None else P(), shared=None,
     )
-    return specs, gate[2] == TENSOR_AXIS
+    return specs, gate[2]
 
 
 def _slots(dest: jax.Array, sent: jax.Array, ep: int, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -121,8 +86,8 @@ def _own_experts(w: MoEWeights, rows: jax.Array, ids: jax.Array, impl: GroupedMa
     return jnp.zeros_like(ys).at[order].set(ys)
 
 
-def _dispatch_local(tokens, valid, w: MoEWeights, *, config: MoEConfig, ep: int, capacity: int,
-                    width_split: bool, impl: GroupedMatmul | None):
+def _dispatch_local(tokens, valid, w: MoEWeights, *, config: MoEConfig, axis: str, ep: int, capacity: int,
+                    width_axis: str | None, impl: GroupedMatmul | None):
     """The shard_map body: route local tokens [n,D], send, compute own experts, return, combine."""
     n, D = tokens.shape
     C = config.experts_per_token
@@ -135,38 +100,38 @@ def _dispatch_local(tokens, valid, w: MoEWeights, *, config: MoEConfig, ep: int,
     send = jnp.zeros((ep, capacity, D), tokens.dtype).at[dest, slot].set(rows, mode="drop")
     send_ids = jnp.full((ep, capacity), num_local, jnp.int32).at[dest, slot].set(local_id, mode="drop")
     # recv[j] holds what device j sent here; the second all_to_all returns recv's rows to them.
-    recv = jax.lax.all_to_all(send, EXPERT_AXIS, 0, 0)
-    recv_ids = jax.lax.all_to_all(send_ids, EXPERT_AXIS, 0, 0)
+    recv = jax.lax.all_to_all(send, axis, 0, 0)
+    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
     ys = _own_experts(w, recv.reshape(ep * capacity, D), recv_ids.reshape(-1), impl)
-    back = jax.lax.all_to_all(ys.reshape(ep, capacity, D), EXPERT_AXIS, 0, 0)
+    back = jax.lax.all_to_all(ys.reshape(ep, capacity, D), axis, 0, 0)
     per_pair = back[dest, jnp.minimum(slot, capacity - 1)] * keep[:, None].astype(back.dtype)
     out = jnp.einsum("ncd,nc->nd", per_pair.reshape(n, C, D), probs.astype(tokens.dtype))
-    # Each tensor device summed over its slice of the expert width: add the slices up.
-    return jax.lax.psum(out, TENSOR_AXIS) if width_split else out
+    # Each device of the width axis summed over its slice of the expert width: add the slices up.
+    return out if width_axis is None else jax.lax.psum(out, width_axis)
 
 
-def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: ExpertParallel) -> jax.Array:
+def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Parallel) -> jax.Array:
     """The MoE block on hidden states ``x`` [B,T,D] with experts split over ``expert`` -> [B,T,D].
 
     Same result as ``dayzero.model.moe.moe`` (exactly the same pairs computed, up to summation
     order) when nothing is dropped; see the module docstring for the dispatch and capacity.
     """
     B, T, D = x.shape
-    ep = par.size
+    axis, ep = par.mesh_axis("experts"), par.size("experts")
     check_expert_parallel(config.num_experts, ep)
     N = B * T
     n = -(-N // ep)  # tokens per device
     tokens = jnp.pad(x.reshape(N, D), ((0, n * ep - N), (0, 0)))
     valid = jnp.arange(n * ep) < N
     routed = MoEWeights(router=w.router, gate=w.gate, up=w.up, down=w.down, score_bias=w.score_bias)
-    specs, width_split = _expert_specs(routed, par)
+    specs, width_axis = _expert_specs(routed, par)
     body = functools.partial(
-        _dispatch_local, config=config, ep=ep, capacity=par.capacity(n, config.experts_per_token),
-        width_split=width_split, impl=par.impl,
+        _dispatch_local, config=config, axis=axis, ep=ep, capacity=par.capacity(n, config.experts_per_token),
+        width_axis=width_axis, impl=par.impl,
     )
     out = jax.shard_map(
         body, mesh=par.placement.mesh,
-        in_specs=(P(EXPERT_AXIS), P(EXPERT_AXIS), specs), out_specs=P(EXPERT_AXIS),
+        in_specs=(P(axis), P(axis), specs), out_specs=P(axis),
         # The shared grouped SwiGLU starts its loops from fresh zeros, which the varying-axes
         # type check rejects inside shard_map; the body's own psum makes the output the same
         # on every tensor device, as out_specs says.

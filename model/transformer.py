@@ -26,9 +26,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from dayzero.model.config import AttentionKind, ModelConfig
-from dayzero.model.mla import mla_block
+from dayzero.model.mla import attend_latent, mla_block
+from dayzero.model.mla_parallel import attend_latent_split
 from dayzero.model.moe import moe, swiglu
-from dayzero.model.moe_parallel import ExpertParallel, moe_expert_parallel
+from dayzero.model.moe_parallel import moe_expert_parallel
+from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.weights import (
@@ -248,18 +250,20 @@ def decoder_layer(
     cos_sin: tuple[jax.Array, jax.Array],
     layer_cache: tuple[jax.Array, ...] | None,
     masks: tuple[jax.Array | None, jax.Array],
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Pre-norm residual block: attention then SwiGLU MLP or MoE.
 
     ``layer_cache`` is the layer's cached arrays (``cache.layer(i)``, None when nothing is
     cached); also returns what the layer adds to the cache: (keys, values), or (latent rows,)
     for multi-head latent attention, (latent rows, indexer keys) with sparse attention.
-    ``expert_parallel``: run MoE blocks with their experts split over the mesh's ``expert`` axis.
+    ``parallel``: the mesh, for the blocks that write their collectives by hand (see
+    ``dayzero.model.parallel``).
     """
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
     if config.attention is AttentionKind.MLA:
-        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks)
+        attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
+        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, attend)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
         attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
@@ -269,10 +273,10 @@ def decoder_layer(
     # The weight tree's type per layer follows config.moe.layers (see weights._layer_specs).
     if not isinstance(w.mlp, MoEWeights):
         x = x + mlp(w.mlp, h)
-    elif expert_parallel is None:
+    elif parallel is None or parallel.size("experts") == 1:
         x = x + moe(w.mlp, config.moe, h)
     else:
-        x = x + moe_expert_parallel(w.mlp, config.moe, h, expert_parallel)
+        x = x + moe_expert_parallel(w.mlp, config.moe, h, parallel)
     return x, new
 
 
@@ -312,7 +316,7 @@ def forward(
     num_new: jax.Array | None = None,
     all_logits: bool = False,
     hidden_out: list | None = None,
-    expert_parallel: ExpertParallel | None = None,
+    parallel: Parallel | None = None,
 ) -> tuple[jax.Array, NewKV | NewLatent]:
     """Run ``tokens`` [B,T] as the continuation of each cached row (from scratch if no cache).
 
@@ -321,8 +325,9 @@ def forward(
     [B,V], and the new keys/values to pass to :func:`append_to_cache`. ``hidden_out``, when
     given a list, receives each decoder layer's output (for layer-by-layer comparison).
     A first prefill should pass ``cache=None`` rather than an empty cache: reading an empty
-    cache costs as much attention work as a full one. ``expert_parallel`` (a mesh with
-    ``expert`` > 1): MoE blocks dispatch tokens to the devices owning their experts.
+    cache costs as much attention work as a full one. ``parallel`` (on a mesh): MoE blocks
+    dispatch tokens to the devices owning their experts when the experts are split, latent
+    attention works on each device's slice of a split latent cache (``dayzero.model.parallel``).
     """
     B, T = tokens.shape
     if num_new is None:
@@ -343,7 +348,7 @@ def forward(
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
         layer_cache = None if cache is None else cache.layer(i)
-        x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, expert_parallel)
+        x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel)
         new.append(added)
         if hidden_out is not None:
             hidden_out.append(x)

@@ -23,7 +23,7 @@ from dayzero.engine.measure import CompileCounter
 from dayzero.engine.sampling import SamplingParams
 from dayzero.model.config import MoEConfig
 from dayzero.model.moe import router_logits
-from dayzero.model.moe_parallel import ExpertParallel
+from dayzero.model.parallel import Parallel
 from dayzero.model.transformer import forward
 from dayzero.model.weights import abstract_weights, init_weights
 from dayzero.sharding.placement import placement_for
@@ -76,9 +76,9 @@ def compare(ref: dict, got: dict) -> dict:
 def sharded_logits(config, weights, tokens, axes, expert_parallel: bool, capacity_factor=None):
     """All-position logits with the weights laid out on a mesh of ``axes``."""
     placement = placement_for(axes)
-    par = ExpertParallel(placement, capacity_factor) if expert_parallel else None
+    par = Parallel(placement, capacity_factor) if expert_parallel else None
     sharded = jax.device_put(weights, placement.shardings(abstract_weights(config)))
-    run = jax.jit(lambda w, t: forward(w, config, t, all_logits=True, expert_parallel=par)[0])
+    run = jax.jit(lambda w, t: forward(w, config, t, all_logits=True, parallel=par)[0])
     return np.asarray(run(sharded, placement.replicate(np.asarray(tokens))))
 
 
@@ -106,8 +106,8 @@ def logits_and_router_gap(config, weights, tokens) -> tuple[np.ndarray, float]:
 def local_expert_shapes(config, weights, tokens, axes) -> dict:
     """What one device sees inside the expert-parallel shard_map: its weight shapes, collectives."""
     placement = placement_for(axes)
-    par = ExpertParallel(placement)
-    jaxpr = jax.make_jaxpr(lambda w, t: forward(w, config, t, all_logits=True, expert_parallel=par)[0])(
+    par = Parallel(placement)
+    jaxpr = jax.make_jaxpr(lambda w, t: forward(w, config, t, all_logits=True, parallel=par)[0])(
         weights, tokens)
     bodies = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "shard_map"]
     body = bodies[0]
@@ -126,6 +126,42 @@ def part_dense() -> dict:
         engine = Engine(config, weights, placement=placement_for(axes))
         out[name] = compare(ref, generation(engine))
         out[name]["k_cache_spec"] = [str(a) for a in engine._cache_shardings(2, 256).k[0].spec]
+    out["mla_tp8"] = part_mla()
+    return out
+
+
+def mla_config():
+    """The tiny config with multi-head latent attention (no q LoRA, latent 32 + rope 8)."""
+    from dayzero.model.config import AttentionKind, MLAConfig
+
+    mla = MLAConfig(q_lora_rank=None, kv_lora_rank=32, nope_dim=8, rope_dim=8, v_head_dim=8)
+    return replace(_tiny_config(), attention=AttentionKind.MLA, mla=mla)
+
+
+def gathered_shapes(engine: Engine, batch: int, max_len: int) -> list[str]:
+    """The result shapes of every all-gather in the compiled decode step."""
+    import re
+
+    from dayzero.engine.sampling import batch_sampling
+
+    from dayzero.model.transformer import init_cache
+
+    cache = init_cache(engine.config, batch, max_len, jnp.float32, engine._cache_shardings(batch, max_len))
+    mode, rows = batch_sampling([SamplingParams()] * batch)
+    host = engine._host
+    text = engine._decode.lower(engine.weights, host(np.zeros((batch, 1), np.int32)), host(np.ones(batch, np.int32)),
+                                host(rows), host(np.int32(1)), mode=mode, cache=cache).compile().as_text()
+    return re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+
+
+def part_mla() -> dict:
+    config = mla_config()
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
+    ref = generation(Engine(config, weights))
+    engine = Engine(config, weights, placement=placement_for({"tensor": 8}))
+    out = compare(ref, generation(engine))
+    out["latent_spec"] = [str(a) for a in engine._cache_shardings(2, 256).latent[0].spec]
+    out["decode_all_gathers"] = gathered_shapes(engine, 2, 256)
     return out
 
 

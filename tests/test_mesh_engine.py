@@ -1,6 +1,7 @@
 """The engine on a mesh of 8 faked CPU devices: same tokens, logprobs and logits as one device.
 
-Dense: tensor=8 and data=2 x tensor=4 generation. MoE (8 experts, top-2): expert=8 and
+Dense: tensor=8 and data=2 x tensor=4 generation; multi-head latent attention on tensor=8 with its
+latent cache split over positions (never gathered). MoE (8 experts, top-2): expert=8 and
 tensor=2 x expert=4 logits through the expert-parallel dispatch, each device holding and
 computing only its own experts, generation on expert=8, and the capacity policy. Every mesh
 engine: no compilation during decode steps after the first. The checks run in one subprocess per
@@ -73,3 +74,18 @@ def test_small_capacity_drops_pairs(moe):
     # capacity_factor 0.25 leaves less room than the busiest destination needs: the dropped pairs
     # change the output (the default, no-drop capacity matched above).
     assert moe["ep8"]["tight_err"] > 1e-2
+
+
+def test_latent_attention_generation_matches_one_device(dense):
+    mla = dense["mla_tp8"]
+    assert mla["same_tokens"] and mla["logprob_diff"] < 1e-5
+    assert mla["decode_compiles"] == 0
+
+
+def test_latent_cache_stays_split_over_its_positions(dense):
+    mla = dense["mla_tp8"]
+    assert mla["latent_spec"] == ["None", "tensor", "None"]
+    # Each device attends over its own cache rows: a decode step gathers queries and per-row
+    # sampling results, never a layer's [2, 256, 40] cache.
+    assert mla["decode_all_gathers"], "expected some all-gather (the queries) in the decode step"
+    assert not any("256" in shape for shape in mla["decode_all_gathers"]), mla["decode_all_gathers"]

@@ -149,19 +149,21 @@ def test_placements_are_hashable_jit_statics():
 
 
 def test_expert_parallel_capacity_policy():
-    from dayzero.model.moe_parallel import ExpertParallel, check_expert_parallel
+    from dayzero.model.moe_parallel import check_expert_parallel
+    from dayzero.model.parallel import Parallel
 
-    class EightExperts:  # ExpertParallel reads only the mesh's expert axis size
+    class EightExperts:  # Parallel reads only the rules and the mesh's axis sizes
         mesh = FakeMesh(expert=8)
+        rules = R.tensor_expert_parallel()
 
     # No factor: room for every pair of a device's tokens at one destination (never drops).
-    assert ExpertParallel(EightExperts()).capacity(tokens_per_device=4, experts_per_token=2) == 8
+    assert Parallel(EightExperts()).capacity(tokens_per_device=4, experts_per_token=2) == 8
     # A factor scales the average load per destination, never beyond the no-drop size.
-    assert ExpertParallel(EightExperts(), 2.0).capacity(32, 2) == 16
-    assert ExpertParallel(EightExperts(), 100.0).capacity(32, 2) == 64
-    assert ExpertParallel(EightExperts(), 0.01).capacity(32, 2) == 1
+    assert Parallel(EightExperts(), 2.0).capacity(32, 2) == 16
+    assert Parallel(EightExperts(), 100.0).capacity(32, 2) == 64
+    assert Parallel(EightExperts(), 0.01).capacity(32, 2) == 1
     with pytest.raises(ValueError, match="capacity_factor"):
-        ExpertParallel(EightExperts(), 0.0)
+        Parallel(EightExperts(), 0.0)
     with pytest.raises(ValueError, match="6 experts do not split evenly over expert=4"):
         check_expert_parallel(6, 4)
 
