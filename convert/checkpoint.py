@@ -39,6 +39,7 @@ from dayzero.convert.errors import ConvertError
 from dayzero.convert.name_map import group_of, key_in_group
 from dayzero.model.config import ModelConfig
 from dayzero.model.weights import Weights, abstract_weights, is_spec, leaf_path, named_leaves, shape_structs
+from dayzero.sharding.distributed import barrier, is_primary_process
 
 FORMAT = "dayzero-checkpoint"
 FORMAT_VERSION = 1
@@ -121,7 +122,9 @@ class GroupWriter:
 
         self._ocp = ocp
         self.root = root / "weights"
-        self.root.mkdir(parents=True)
+        if is_primary_process():  # in a multi-process run, one process makes the directories
+            self.root.mkdir(parents=True)
+        barrier("dayzero-convert-weights-dir")
         registry = type_handlers.create_type_handler_registry(
             (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
             (jax.Array, type_handlers.ArrayHandler()),
@@ -246,14 +249,19 @@ def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = 
     specs = abstract_weights(config)
     groups = _checked_groups(root, manifest, specs)
     if shardings is None:
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
+        shardings = _on_one_device(specs)
     targets = named_leaves(shape_structs(specs, dtype, shardings))
     arrays: dict[str, Any] = {}
     for _, restored in _restore_groups(root, groups, targets):
         arrays.update(restored)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     return config, jax.tree.unflatten(treedef, [arrays[leaf_path(path)] for path, _ in flat])
+
+
+def _on_one_device(specs: Any) -> Any:
+    """A sharding tree placing every leaf whole on this process's first device."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
 
 
 def verify_checkpoint(dst: str | Path) -> int:
@@ -266,8 +274,9 @@ def verify_checkpoint(dst: str | Path) -> int:
     specs = abstract_weights(read_config(root))
     groups = _checked_groups(root, manifest, specs)
     stored = jnp.dtype(manifest["dtype"])
-    # Restore in the stored dtype on the host so the bytes hashed are the bytes written.
-    targets = named_leaves(shape_structs(specs, stored))
+    # Restore in the stored dtype so the bytes hashed are the bytes written; onto one device
+    # explicitly, since a checkpoint written from a mesh records that mesh's topology.
+    targets = named_leaves(shape_structs(specs, stored, _on_one_device(specs)))
     checked = 0
     for _, restored in _restore_groups(root, groups, targets):
         for leaf, value in restored.items():

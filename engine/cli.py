@@ -51,7 +51,9 @@ def _add_process_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mesh", metavar="AXIS=N,...", help="device mesh, axes data/tensor/expert (e.g. tensor=4)")
+    p.add_argument("--mesh", metavar="AXIS=N,...",
+                   help="device mesh over all devices of all processes, axes data/tensor/expert (e.g. tensor=4): "
+                        "tensor splits heads/MLP/vocabulary, expert adds expert parallelism, data splits batch rows")
 
 
 def _placement(text: str | None):
@@ -272,10 +274,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit_if_peer_lost(args: argparse.Namespace, error: Exception) -> None:
-    """In a multi-host run, a runtime error from a collective means a peer process has gone.
-
-    Say so in one line and leave at once: a normal exit would wait in the runtime's shutdown
-    barrier for the dead peer until its timeout, then abort with a stack dump.
+    """In a multi-host run, a runtime error (typically a collective whose peer process has gone)
+    ends this process at once, after one line on stderr: a normal exit would wait in the
+    runtime's shutdown barrier for the dead peer until its timeout, then abort with a stack dump.
     """
     import jax
 
@@ -283,8 +284,8 @@ def _exit_if_peer_lost(args: argparse.Namespace, error: Exception) -> None:
         return
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     print(
-        f"dayzero: error: process {args.process_id} of {args.num_processes} stopped: a collective with "
-        f"the other processes failed ({first[:200]}); another process has probably died, see its log",
+        f"dayzero: error: process {args.process_id} of {args.num_processes} stopped on a runtime error "
+        f"({first[:200]}); in a multi-host run this usually means another process died, see its log",
         file=sys.stderr, flush=True,
     )
     os._exit(1)

@@ -14,7 +14,9 @@ def result(hf_factory, tmp_path_factory):
     model = hf_factory.build("llama", seed=2, num_attention_heads=8, num_key_value_heads=4)
     root = tmp_path_factory.mktemp("mesh_checkpoint")
     hf_dir, one_device_dir = hf_factory.save_and_convert(model, root)
-    return run_part("checkpoint", hf_dir, one_device_dir, root / "for_mesh")
+    out = run_part("checkpoint", hf_dir, one_device_dir, root / "for_mesh")
+    out["dirs"] = (one_device_dir, root / "for_mesh")
+    return out
 
 
 def test_one_device_conversion_loads_into_tensor_parallel(result):
@@ -41,3 +43,17 @@ def test_cli_generate_and_verify_on_a_mesh(result):
     cli = result["cli"]
     assert cli["generate_rc"] == 0 and cli["same_tokens"] and cli["logprob_diff"] < 1e-5
     assert cli["verify_rc"] == 0 and cli["verify_passed"]  # against HF, with the model on tensor=8
+
+
+def test_mesh_conversion_loads_in_a_one_device_process(result):
+    # This process has one device; the checkpoint records the 8-device topology it was saved from.
+    import numpy as np
+
+    from dayzero.convert import load_checkpoint, verify_checkpoint
+    from dayzero.model.weights import named_leaves
+
+    one_device_dir, mesh_dir = result["dirs"]
+    assert verify_checkpoint(mesh_dir) == 21
+    want = named_leaves(load_checkpoint(one_device_dir)[1])
+    got = named_leaves(load_checkpoint(mesh_dir)[1])
+    assert all(np.array_equal(np.asarray(want[k]), np.asarray(got[k])) for k in want)

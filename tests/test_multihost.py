@@ -100,3 +100,23 @@ def test_bad_launch_requests_are_one_line_errors(args, fragment, capsys):
     assert main(["launch-local", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dayzero: error:") and fragment in err[0], err
+
+
+@pytest.mark.slow
+def test_two_process_conversion_for_a_mesh(hf_factory, model_dir, tmp_path):
+    # Each process writes the shards it holds; process 0 the files around them.
+    import numpy as np
+
+    from dayzero.convert import load_checkpoint, verify_checkpoint
+    from dayzero.model.weights import named_leaves
+
+    dst = tmp_path / "for_mesh"
+    cmd = _dayzero("launch-local", "--processes", 2, "--devices-per-process", 4, "--",
+                   "convert", model_dir.parent / "hf", dst, "--mesh", "tensor=8", "--no-progress")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads((dst / "manifest.json").read_text())["mesh"] == {"data": 1, "tensor": 8, "expert": 1}
+    assert sorted(p.name for p in dst.parent.iterdir()) == ["for_mesh"]  # no temporary left
+    assert verify_checkpoint(dst) > 0
+    want, got = named_leaves(load_checkpoint(model_dir)[1]), named_leaves(load_checkpoint(dst)[1])
+    assert all(np.array_equal(np.asarray(want[k]), np.asarray(got[k])) for k in want)
