@@ -123,7 +123,8 @@ class Engine:
         # Prefill (no cache to read: a first prompt) and decode are separate compiled functions.
         self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode",))
         self._decode = jax.jit(self._step_impl, static_argnames=("mode",))
-        self._append = jax.jit(self._append_impl, donate_argnums=(0,))
+        # On a mesh the written cache is pinned to its layout; one device keeps the plain write.
+        self._append = jax.jit(append_to_cache if placement is None else self._append_on_mesh, donate_argnums=(0,))
         self._compiled: set = set()
 
     @classmethod
@@ -181,10 +182,8 @@ class Engine:
             )
         return next_tokens, logprobs, new
 
-    def _append_impl(self, cache, new):
+    def _append_on_mesh(self, cache, new):
         cache = append_to_cache(cache, new)
-        if self.placement is None:
-            return cache
         # The written cache keeps the layout it was made with, so the next step sees the same input.
         return jax.lax.with_sharding_constraint(cache, self._cache_shardings(*cache.lengths.shape, cache.max_len))
 
