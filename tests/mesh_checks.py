@@ -184,7 +184,6 @@ def part_moe() -> dict:
 def part_checkpoint(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
     """``one_device_dir`` (converted without a mesh) loaded into tensor=8; ``hf_dir`` converted here
     for data=2 x tensor=4 into ``mesh_dir`` and loaded on one device."""
-    import json as json_
     from pathlib import Path
 
     from dayzero.convert import convert_checkpoint, load_checkpoint, verify_checkpoint
@@ -203,8 +202,8 @@ def part_checkpoint(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
                                for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(on_tp8))),
     }
     convert_checkpoint(hf_dir, mesh_dir, progress=False, placement=placement_for({"data": 2, "tensor": 4}))
-    manifest = json_.loads((Path(mesh_dir) / "manifest.json").read_text())
-    zarray = json_.loads((Path(mesh_dir) / "weights" / "layer_000" / "mlp.gate" / ".zarray").read_text())
+    manifest = json.loads((Path(mesh_dir) / "manifest.json").read_text())
+    zarray = json.loads((Path(mesh_dir) / "weights" / "layer_000" / "mlp.gate" / ".zarray").read_text())
     _, back = load_checkpoint(mesh_dir)  # one device
     leaves_one, leaves_back = named_leaves(one), named_leaves(back)
     out.update({
