@@ -102,7 +102,6 @@ def test_bad_launch_requests_are_one_line_errors(args, fragment, capsys):
     assert len(err) == 1 and err[0].startswith("dayzero: error:") and fragment in err[0], err
 
 
-@pytest.mark.slow
 def test_two_process_conversion_for_a_mesh(hf_factory, model_dir, tmp_path):
     # Each process writes the shards it holds; process 0 the files around them.
     import numpy as np
