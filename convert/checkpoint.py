@@ -12,6 +12,13 @@ Layout of a converted checkpoint ``DST``::
 
 One checkpoint per layer is what keeps conversion streaming (one layer's arrays in memory at a
 time) and lets a loader restore group by group.
+
+Converted for a mesh (``convert --mesh``), each leaf is written as a ``jax.Array`` laid out by
+the mesh's rules: its zarr chunks are the per-device shards (split further down to
+``CHUNK_BYTES``), each process writes the shards it holds, and the manifest records the mesh,
+the rules and every leaf's partition spec. Without a mesh, arrays are written whole from the
+host. Either way the loader restores every leaf straight into whatever sharding the loading run
+asks for: chunks are a storage layout, not a constraint on the reader.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dayzero.convert.errors import ConvertError
 from dayzero.convert.name_map import group_of, key_in_group
 from dayzero.model.config import ModelConfig
 from dayzero.model.weights import Weights, abstract_weights, is_spec, leaf_path, named_leaves, shape_structs
+from dayzero.sharding.distributed import barrier, is_primary_process
 
 FORMAT = "dayzero-checkpoint"
 FORMAT_VERSION = 1
@@ -114,7 +122,9 @@ class GroupWriter:
 
         self._ocp = ocp
         self.root = root / "weights"
-        self.root.mkdir(parents=True)
+        if is_primary_process():  # in a multi-process run, one process makes the directories
+            self.root.mkdir(parents=True)
+        barrier("dayzero-convert-weights-dir")
         registry = type_handlers.create_type_handler_registry(
             (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
             (jax.Array, type_handlers.ArrayHandler()),
@@ -122,8 +132,15 @@ class GroupWriter:
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry)
         self._ckpt = ocp.Checkpointer(handler)
 
-    def save(self, group: str, arrays: dict[tuple[str, ...], np.ndarray]) -> None:
-        """Write ``arrays`` (keyed by their path inside the group) as ``weights/<group>``."""
+    def save(self, group: str, arrays: dict[tuple[str, ...], np.ndarray], shardings: dict | None = None) -> None:
+        """Write ``arrays`` (keyed by their path inside the group) as ``weights/<group>``.
+
+        With ``shardings`` (same keys), each array is first laid out as a global ``jax.Array``
+        with that sharding (every process passes the same host values and keeps its own
+        shards), so Orbax writes one set of chunks per shard.
+        """
+        if shardings is not None:
+            arrays = {k: _global_array(v, shardings[k]) for k, v in arrays.items()}
         tree = nest(arrays)
         save_args = jax.tree.map(lambda _: self._ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
         notice = _DropOcdbtMergeNotice()
@@ -137,6 +154,10 @@ class GroupWriter:
     def close(self) -> None:
         """Release Orbax's resources."""
         self._ckpt.close()
+
+
+def _global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:
@@ -168,7 +189,9 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def _read_config(root: Path) -> ModelConfig:
+def read_config(root: str | Path) -> ModelConfig:
+    """The ``ModelConfig`` of a converted checkpoint (read before its weights, e.g. to place them)."""
+    root = Path(root)
     try:
         return ModelConfig.from_json(json.loads((root / "config.json").read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -222,18 +245,23 @@ def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = 
     """
     root = Path(dst)
     manifest = read_manifest(root)
-    config = _read_config(root)
+    config = read_config(root)
     specs = abstract_weights(config)
     groups = _checked_groups(root, manifest, specs)
     if shardings is None:
-        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
+        shardings = _on_one_device(specs)
     targets = named_leaves(shape_structs(specs, dtype, shardings))
     arrays: dict[str, Any] = {}
     for _, restored in _restore_groups(root, groups, targets):
         arrays.update(restored)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     return config, jax.tree.unflatten(treedef, [arrays[leaf_path(path)] for path, _ in flat])
+
+
+def _on_one_device(specs: Any) -> Any:
+    """A sharding tree placing every leaf whole on this process's first device."""
+    default = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
 
 
 def verify_checkpoint(dst: str | Path) -> int:
@@ -243,11 +271,12 @@ def verify_checkpoint(dst: str | Path) -> int:
     """
     root = Path(dst)
     manifest = read_manifest(root)
-    specs = abstract_weights(_read_config(root))
+    specs = abstract_weights(read_config(root))
     groups = _checked_groups(root, manifest, specs)
     stored = jnp.dtype(manifest["dtype"])
-    # Restore in the stored dtype on the host so the bytes hashed are the bytes written.
-    targets = named_leaves(shape_structs(specs, stored))
+    # Restore in the stored dtype so the bytes hashed are the bytes written; onto one device
+    # explicitly, since a checkpoint written from a mesh records that mesh's topology.
+    targets = named_leaves(shape_structs(specs, stored, _on_one_device(specs)))
     checked = 0
     for _, restored in _restore_groups(root, groups, targets):
         for leaf, value in restored.items():

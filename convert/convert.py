@@ -33,6 +33,7 @@ from dayzero.convert.sources import Source, open_source
 from dayzero.model.config import ConfigError, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.weights import abstract_weights, named_leaves
+from dayzero.sharding.distributed import barrier, is_primary_process, shared_token
 
 STORAGE_DTYPES = {
     "float32": np.dtype(np.float32),
@@ -111,24 +112,31 @@ def _groups(recipes: tuple[Recipe, ...]) -> dict[str, list[Recipe]]:
 
 
 def _write_weights(tmp: Path, source: Source, config: ModelConfig, recipes: tuple[Recipe, ...],
-                   storage: np.dtype, progress: bool) -> dict[str, Any]:
-    """Stream every group into ``tmp/weights``; return the per-leaf manifest entries."""
+                   storage: np.dtype, progress: bool, placement: Any) -> dict[str, Any]:
+    """Stream every group into ``tmp/weights``; return the per-leaf manifest entries.
+
+    With a ``placement`` each leaf is written laid out for its mesh (see ``convert.checkpoint``).
+    """
     specs = named_leaves(abstract_weights(config))
+    shardings = None if placement is None else named_leaves(placement.shardings(abstract_weights(config)))
     entries: dict[str, Any] = {}
     writer = GroupWriter(tmp)
     bar = tqdm(total=len(recipes), unit="tensor", file=sys.stderr, disable=not progress, desc="converting")
     try:
         for group, members in _groups(recipes).items():
             bar.set_postfix_str(group)
-            arrays = {}
+            arrays, layout = {}, {}
             for r in members:
                 y = _make_leaf(r, source, storage, specs[r.target].shape)
                 arrays[key_in_group(r.target)] = y
                 entries[r.target] = {"group": group, "shape": list(y.shape), "dtype": str(y.dtype),
                                      "sha256": array_sha256(y),
                                      "source": r.source if len(r.sources) == 1 else list(r.sources)}
+                if shardings is not None:
+                    layout[key_in_group(r.target)] = shardings[r.target]
+                    entries[r.target]["spec"] = list(shardings[r.target].spec)
                 bar.update()
-            writer.save(group, arrays)
+            writer.save(group, arrays, layout if shardings is not None else None)
             del arrays, y  # the group is on disk; let it go before reading the next one
     finally:
         bar.close()
@@ -136,7 +144,7 @@ def _write_weights(tmp: Path, source: Source, config: ModelConfig, recipes: tupl
     return entries
 
 
-def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool) -> None:
+def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool, placement: Any) -> None:
     where = str(source.path)
     try:
         config = parse_hf_config(source.hf_config)
@@ -148,12 +156,23 @@ def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool) 
     recipes = plan(name_map, source.reader.keys(), source.reader.shape, where)
     _check_floating(source, recipes)
     storage = storage_dtype(dtype, source, recipes)
-    tmp.mkdir()
-    (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=1))
-    (tmp / "hf_config.json").write_text(json.dumps(source.hf_config, indent=1))
-    tokenizer_files = source.export_tokenizer(tmp)
-    entries = _write_weights(tmp, source, config, recipes, storage, progress)
+    if placement is not None:
+        _check_layout(config, placement)
+    # In a multi-process run every process reads the source and holds its own shards, but the
+    # files around the weights are written by process 0 alone.
+    primary = is_primary_process()
+    if primary:
+        tmp.mkdir()
+        (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=1))
+        (tmp / "hf_config.json").write_text(json.dumps(source.hf_config, indent=1))
+    tokenizer_files = source.export_tokenizer(tmp) if primary else []
+    barrier("dayzero-convert-start")
+    entries = _write_weights(tmp, source, config, recipes, storage, progress and primary, placement)
+    if not primary:
+        return
+    layout = {} if placement is None else {"mesh": placement.axes, "rules": placement.rules.name}
     write_manifest(tmp, {
+        **layout,
         "dtype": str(storage),
         "source": {
             "format": source.format,
@@ -182,27 +201,39 @@ def _move_into_place(tmp: Path, dst: Path) -> None:
         raise
 
 
+def _check_layout(config: ModelConfig, placement: Any) -> None:
+    ep = placement.axes["expert"]
+    if ep > 1 and (config.moe is None or config.moe.num_experts % ep):
+        experts = "no experts" if config.moe is None else f"{config.moe.num_experts} experts"
+        raise ConvertError(f"--mesh expert={ep} cannot lay out a model with {experts}; use a mesh that fits it")
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None,
-                       progress: bool = True) -> Path:
+                       progress: bool = True, placement: Any = None) -> Path:
     """Convert a source checkpoint into a new dayzero checkpoint directory; return its path.
 
     ``src``: an HF model directory (config.json + safetensors or pytorch_model.bin, sharded or
     not), a PyTorch state-dict file (.bin/.pt/.pth, with config.json beside it) or a .gguf file.
     ``dst``: a directory that must not exist yet. ``dtype``: storage dtype, one of "float32",
     "bfloat16", "float16", or None to keep the source precision (see :func:`storage_dtype`).
-    ``progress``: show a progress bar on stderr. Raises :class:`ConvertError` (leaving no DST
-    behind) for any problem with the inputs.
+    ``progress``: show a progress bar on stderr. ``placement`` (a
+    ``dayzero.sharding.placement.Placement``): write the arrays laid out for its mesh (any mesh,
+    or one device, can still load them). Raises :class:`ConvertError` (leaving no DST behind)
+    for any problem with the inputs.
     """
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise ConvertError(f"destination {dst} already exists; choose a new directory or remove it first")
     source = open_source(src)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f"{dst.name}.tmp-{secrets.token_hex(4)}"
+    tmp = dst.parent / f"{dst.name}.tmp-{shared_token(secrets.token_hex(4))}"
     try:
-        _convert_into(tmp, source, dtype, progress)
-        _move_into_place(tmp, dst)
+        _convert_into(tmp, source, dtype, progress, placement)
+        if is_primary_process():
+            _move_into_place(tmp, dst)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if is_primary_process():
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
+    barrier("dayzero-convert-done")  # no process reports success before DST is in place
     return dst

@@ -140,8 +140,9 @@ def _print_table(result: dict) -> None:
         )
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    """Run the benchmark described by the parsed ``dayzero bench`` arguments."""
+def run_bench(args: argparse.Namespace, placement=None) -> int:
+    """Run the benchmark described by the parsed ``dayzero bench`` arguments (on ``placement``'s
+    mesh when given: a ``dayzero.sharding.placement.Placement``)."""
     from dayzero.engine.generate import Engine
 
     prompt_lens = _int_list(args.prompt_len, "--prompt-len")
@@ -152,9 +153,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.new_tokens < 2:
         raise BenchError("--new-tokens must be >= 2 to measure decoding")
     peer_map = make_peers(args)
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, placement=placement)
     runs = _runs(engine, args, peer_map, prompt_lens, batches)
-    result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend()}
+    result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend(),
+              "mesh": None if placement is None else placement.axes}
     if args.soak:
         result["soak"] = soak(engine, args.soak_len)
     if args.plot:

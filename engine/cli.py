@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable
 
@@ -22,6 +23,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dayzero.engine.check import CheckError
     from dayzero.engine.default_model import DefaultModelError
     from dayzero.engine.generate import GenerationError
+    from dayzero.engine.launch import LaunchError
     from dayzero.engine.peers import PeerError
     from dayzero.engine.plot import PlotError
     from dayzero.engine.sampling import SamplingError
@@ -33,7 +35,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (
         ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
         BenchError, PeerError, PlotError, SoakError,
-        VerifyError, CheckError,
+        VerifyError, CheckError, LaunchError,
     )
 
 
@@ -49,16 +51,16 @@ def _add_process_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mesh", metavar="AXIS=N,...", help="device mesh, axes data/tensor/expert (e.g. tensor=4)")
+    p.add_argument("--mesh", metavar="AXIS=N,...",
+                   help="device mesh over all devices of all processes, axes data/tensor/expert (e.g. tensor=4): "
+                        "tensor splits heads/MLP/vocabulary, expert adds expert parallelism, data splits batch rows")
 
 
-def _check_mesh(text: str | None) -> None:
-    axes = parse_mesh(text)
-    if any(size > 1 for size in axes.values()):
-        raise MeshError(
-            f"--mesh {text} asks for a multi-device mesh, which this version cannot shard yet; "
-            "run on one device (omit --mesh)"
-        )
+def _placement(text: str | None):
+    """The mesh and rules ``--mesh`` asks for (None: one device); see dayzero.sharding.placement."""
+    from dayzero.sharding.placement import placement_from_text
+
+    return placement_from_text(text)
 
 
 def _check_kernels(choice: str) -> None:
@@ -87,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="storage dtype (default: the source's)")
     c.add_argument("--quantize", help="weight quantization (not available yet)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # --mesh: write the arrays laid out (chunked) for that mesh; any mesh can load them.
     _add_mesh_arg(c)
     _add_process_args(c)
 
@@ -145,6 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print one JSON object")
     _add_mesh_arg(k)
     _add_process_args(k)
+
+    ll = sub.add_parser("launch-local", help="run a command as N local processes of one multi-host run (testing)")
+    ll.add_argument("--processes", type=int, required=True, metavar="N", help="number of processes")
+    ll.add_argument("--devices-per-process", type=int, required=True, metavar="D", help="CPU devices per process")
+    ll.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the dayzero command to run")
     return parser
 
 
@@ -152,10 +160,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     """``dayzero convert``."""
     from dayzero.convert import convert_checkpoint
 
-    _check_mesh(args.mesh)
+    placement = _placement(args.mesh)
     if args.quantize:
         raise CommandError(f"--quantize {args.quantize} is not available yet; convert without --quantize")
-    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress)
+    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress, placement=placement)
     print(f"converted {args.src} -> {dst}", file=sys.stderr)
     return 0
 
@@ -165,13 +173,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dayzero.engine.generate import Engine
     from dayzero.engine.sampling import SamplingParams
 
-    _check_mesh(args.mesh)
+    placement = _placement(args.mesh)
     _check_kernels(args.kernels)
     if args.logprobs and not args.json:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
-    engine = Engine.load(args.model)
+    engine = Engine.load(args.model, placement=placement)
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     result = engine.generate(
         prompt,
@@ -194,24 +202,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     """``dayzero bench``."""
     from dayzero.engine.bench import run_bench
 
-    _check_mesh(args.mesh)
-    return run_bench(args)
+    return run_bench(args, _placement(args.mesh))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``dayzero verify``."""
     from dayzero.engine.verify import run_verify
 
-    _check_mesh(args.mesh)
-    return run_verify(args, _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None)
+    placement = _placement(args.mesh)
+    return run_verify(args, _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None, placement)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """``dayzero check``."""
     from dayzero.engine.check import run_check
 
-    _check_mesh(args.mesh)
+    parse_mesh(args.mesh)  # checked for consistency; a checkpoint check runs no model
     return run_check(args)
+
+
+def cmd_launch_local(args: argparse.Namespace) -> int:
+    """``dayzero launch-local``."""
+    from dayzero.engine.launch import launch_local
+
+    known = tuple(name for name in COMMANDS if name != "launch-local")
+    return launch_local(args.cmd, args.processes, args.devices_per_process, known)
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
@@ -220,14 +235,29 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "bench": cmd_bench,
     "verify": cmd_verify,
     "check": cmd_check,
+    "launch-local": cmd_launch_local,
 }
+
+
+def _start_processes(args: argparse.Namespace) -> None:
+    """Join a multi-host run if asked; processes other than 0 print no results (stdout muted)."""
+    if args.command == "launch-local":
+        return
+    group = ProcessGroup(args.coordinator, args.num_processes, args.process_id)
+    initialize(group)
+    if group.is_multi_process:
+        # The collectives' native code logs to file descriptor 1: point it at stderr, so stdout
+        # carries the command's results only (and those from process 0 only).
+        results = os.dup(1)
+        os.dup2(2, 1)
+        sys.stdout = os.fdopen(results, "w") if group.process_id == 0 else open(os.devnull, "w")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``dayzero`` console script."""
     args = build_parser().parse_args(argv)
     try:
-        initialize(ProcessGroup(args.coordinator, args.num_processes, args.process_id))
+        _start_processes(args)
         return COMMANDS[args.command](args)
     except (CommandError, MeshError) as e:
         print(f"dayzero: error: {e}", file=sys.stderr)
@@ -239,7 +269,26 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, _user_errors()):
             print(f"dayzero: error: {e}", file=sys.stderr)
             return 2
+        _exit_if_peer_lost(args, e)
         raise
+
+
+def _exit_if_peer_lost(args: argparse.Namespace, error: Exception) -> None:
+    """In a multi-host run, a runtime error (typically a collective whose peer process has gone)
+    ends this process at once, after one line on stderr: a normal exit would wait in the
+    runtime's shutdown barrier for the dead peer until its timeout, then abort with a stack dump.
+    """
+    import jax
+
+    if getattr(args, "num_processes", None) is None or not isinstance(error, jax.errors.JaxRuntimeError):
+        return
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    print(
+        f"dayzero: error: process {args.process_id} of {args.num_processes} stopped on a runtime error "
+        f"({first[:200]}); in a multi-host run this usually means another process died, see its log",
+        file=sys.stderr, flush=True,
+    )
+    os._exit(1)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,12 @@ import numpy as np
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
 from dayzero.model.config import ModelConfig
-from dayzero.model.transformer import KVCache, append_to_cache, forward, init_cache
-from dayzero.model.weights import Weights
+from dayzero.model.moe_parallel import check_expert_parallel
+from dayzero.model.parallel import Parallel
+from dayzero.model.transformer import KVCache, append_to_cache, cache_specs, forward, init_cache
+from dayzero.model.weights import Weights, abstract_weights
+from dayzero.sharding.distributed import MeshError
+from dayzero.sharding.placement import Placement
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_LEN = 256
@@ -67,56 +71,130 @@ def default_dtype() -> jnp.dtype:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def placed_weight_specs(config: ModelConfig, untied_head: bool):
+    """The abstract weight tree as the engine holds it (with the [D,V] head copy if ``untied_head``)."""
+    if untied_head and config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+    return abstract_weights(config)
+
+
+def check_placement(config: ModelConfig, placement: Placement) -> None:
+    """Raise MeshError when ``placement``'s mesh cannot run this model."""
+    ep = placement.axes["expert"]
+    if ep > 1 and config.moe is None:
+        raise MeshError(f"--mesh expert={ep} needs a Mixture-of-Experts model and this one has no experts; use tensor={ep}")
+    if ep > 1:
+        try:
+            check_expert_parallel(config.moe.num_experts, ep)
+        except ValueError as e:
+            raise MeshError(str(e)) from None
+
+
 class Engine:
     """A loaded model with compiled prefill/decode steps.
+
+    With a :class:`Placement` (a mesh and its rules) the weights and caches are laid out over the
+    mesh by their logical axes, host inputs are replicated over it, every step's outputs are
+    pinned to fixed shardings (so decode steps never recompile), and MoE blocks dispatch tokens
+    to their experts' devices when the mesh has ``expert`` > 1. Without one, everything sits on
+    the default device (the single-device path).
 
     >>> engine = Engine.load("converted/smollm2")            # doctest: +SKIP
     >>> engine.generate("Hello", max_new_tokens=8).text      # doctest: +SKIP
     """
 
-    def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None,
+                 placement: Placement | None = None):
         self.config = config
+        self.placement = placement
+        if placement is not None:
+            check_placement(config, placement)
         if weights.lm_head is None and jax.default_backend() == "cpu":
             # Tied embeddings: XLA:CPU's matvec against the [V,D] embedding took ~6 ms more per
             # SmolLM2 decode step than against a [D,V] copy (34 vs 40 ms), worth V*D more bytes.
-            weights = weights.replace(lm_head=jnp.asarray(weights.embed.T))
+            weights = weights.replace(lm_head=self._transposed(weights.embed))
+        if placement is not None:  # a no-op for weights loaded straight into their shardings
+            weights = jax.device_put(weights, placement.shardings(placed_weight_specs(config, weights.lm_head is not None)))
         self.weights = weights
+        self._parallel = None if placement is None else Parallel(placement)
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else config.eos_token_ids)
         self.compile_s = 0.0  # seconds spent compiling steps so far
         # Prefill (no cache to read: a first prompt) and decode are separate compiled functions.
         self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode",))
         self._decode = jax.jit(self._step_impl, static_argnames=("mode",))
-        self._append = jax.jit(append_to_cache, donate_argnums=(0,))
+        # On a mesh the written cache is pinned to its layout; one device keeps the plain write.
+        self._append = jax.jit(append_to_cache if placement is None else self._append_on_mesh, donate_argnums=(0,))
         self._compiled: set = set()
 
     @classmethod
-    def load(cls, model_dir: str | Path | None = None, dtype=None, progress: bool = True) -> "Engine":
-        """Load a converted model directory (default: the embedded SmolLM2-135M-Instruct)."""
+    def load(cls, model_dir: str | Path | None = None, dtype=None, progress: bool = True,
+             placement: Placement | None = None) -> "Engine":
+        """Load a converted model directory (default: the embedded SmolLM2-135M-Instruct).
+
+        With a ``placement`` every weight is restored straight into its sharding on that mesh,
+        whatever mesh the checkpoint was converted for.
+        """
         from dayzero.convert import load_checkpoint
+        from dayzero.convert.checkpoint import read_config
         from dayzero.engine.default_model import default_model_dir
 
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
-        config, weights = load_checkpoint(model_dir, dtype=dtype or default_dtype())
+        shardings = None
+        if placement is not None:
+            config = read_config(model_dir)
+            check_placement(config, placement)
+            shardings = placement.shardings(abstract_weights(config))
+        config, weights = load_checkpoint(model_dir, dtype=dtype or default_dtype(), shardings=shardings)
         # A model converted without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        return cls(config, weights, tokenizer)
+        return cls(config, weights, tokenizer, placement)
+
+    # ---- placement -------------------------------------------------------------------------
+
+    def _transposed(self, embed: jax.Array) -> jax.Array:
+        """The [D,V] copy of a tied [V,D] embedding, laid out as an untied head would be."""
+        if self.placement is None:
+            return jnp.asarray(embed.T)
+        head = self.placement.sharding(("embed", "vocab"), embed.T.shape)
+        return jax.jit(jnp.transpose, out_shardings=head)(embed)
+
+    def _host(self, value):
+        """A host value (array, scalar or tree of them) as the steps' input: on the default device,
+        or replicated over the mesh (the same value in every process)."""
+        if self.placement is None:
+            return jax.tree.map(jnp.asarray, value)
+        return jax.tree.map(self.placement.replicate, value)
+
+    def _cache_shardings(self, batch: int, max_len: int):
+        return None if self.placement is None else self.placement.shardings(cache_specs(self.config, batch, max_len))
 
     # ---- compiled pieces -------------------------------------------------------------------
 
     def _step_impl(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache=None):
-        logits, new = forward(weights, self.config, tokens, cache, num_new)
+        logits, new = forward(weights, self.config, tokens, cache, num_new, parallel=self._parallel)
         next_tokens, logprobs = sample(logits, rows, step, mode)
+        if self.placement is not None:
+            # Replicated: every process reads them back, and the next step gets the same layout
+            # whichever step produced them.
+            next_tokens, logprobs = jax.lax.with_sharding_constraint(
+                (next_tokens, logprobs), self.placement.replicated()
+            )
         return next_tokens, logprobs, new
+
+    def _append_on_mesh(self, cache, new):
+        cache = append_to_cache(cache, new)
+        # The written cache keeps the layout it was made with, so the next step sees the same input.
+        return jax.lax.with_sharding_constraint(cache, self._cache_shardings(*cache.lengths.shape, cache.max_len))
 
     def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False) -> tuple:
         """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty."""
         key = (tokens.shape, cache.max_len, mode, fresh)
         start = time.perf_counter()
         if fresh:
-            out = self._prefill(self.weights, tokens, num_new, rows, jnp.int32(step), mode=mode)
+            out = self._prefill(self.weights, tokens, num_new, rows, self._host(np.int32(step)), mode=mode)
         else:
-            out = self._decode(self.weights, tokens, num_new, rows, jnp.int32(step), mode=mode, cache=cache)
+            out = self._decode(self.weights, tokens, num_new, rows, self._host(np.int32(step)), mode=mode, cache=cache)
         cache = self._append(cache, out[2])
         if key not in self._compiled:  # first call of this shape: account its compile time
             jax.block_until_ready(out[0])
@@ -200,9 +278,10 @@ class Engine:
         """
         lengths = np.array([len(r) for r in ids], np.int32)
         mode, rows = batch_sampling(params)
+        rows = rows if self.placement is None else self._host(rows)
         next_tok, logprob, cache = self._prefill_chunks(ids, lengths, max_new_tokens, rows, mode)
         B = len(ids)
-        ones = jnp.ones((B,), jnp.int32)
+        ones = self._host(np.ones((B,), np.int32))
         for step in range(1, max_new_tokens + 1):
             produced = (next_tok, logprob)
             if step < max_new_tokens:
@@ -223,8 +302,8 @@ class Engine:
         T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
         padded = -(-longest // T) * T
         # Room for every padded chunk write and for the longest row's last generated token.
-        cache = init_cache(self.config, B, bucket(max(padded, longest + max_new_tokens), MIN_CACHE_LEN),
-                           self.weights.embed.dtype)
+        max_len = bucket(max(padded, longest + max_new_tokens), MIN_CACHE_LEN)
+        cache = init_cache(self.config, B, max_len, self.weights.embed.dtype, self._cache_shardings(B, max_len))
         tokens = np.zeros((B, padded), np.int32)
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row
@@ -232,10 +311,10 @@ class Engine:
         for start in range(0, padded, T):
             num_new = np.clip(lengths - start, 0, T).astype(np.int32)
             tok, lp, cache = self._run_step(
-                jnp.asarray(tokens[:, start : start + T]), cache, jnp.asarray(num_new), rows, 0, mode,
+                self._host(tokens[:, start : start + T]), cache, self._host(num_new), rows, 0, mode,
                 fresh=start == 0,
             )
-            ends_here = jnp.asarray((lengths > start) & (lengths <= start + T))
+            ends_here = self._host((lengths > start) & (lengths <= start + T))
             first_tok = tok if first_tok is None else jnp.where(ends_here, tok, first_tok)
             first_lp = lp if first_lp is None else jnp.where(ends_here, lp, first_lp)
         return first_tok, first_lp, cache

@@ -50,8 +50,8 @@ def peak_rss_mb() -> float:
 
 
 def device_peak_mb() -> float | None:
-    """Peak memory in use on the first device (None where the backend does not report it)."""
-    stats = jax.devices()[0].memory_stats()
+    """Peak memory in use on this process's first device (None where the backend does not report it)."""
+    stats = jax.local_devices()[0].memory_stats()
     return stats["peak_bytes_in_use"] / 2**20 if stats and "peak_bytes_in_use" in stats else None
 
 

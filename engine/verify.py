@@ -288,22 +288,42 @@ def run_reference(src: Path, ids: list[int]) -> tuple[list[np.ndarray], np.ndarr
     return outputs, logits
 
 
-def run_dayzero(dst: Path, ids: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
-    """dayzero's ``forward`` (fp32, jitted, no cache) on ``ids``: per-layer outputs and logits."""
+def run_dayzero(dst: Path, ids: list[int], placement: Any = None) -> tuple[list[np.ndarray], np.ndarray]:
+    """dayzero's ``forward`` (fp32, jitted, no cache) on ``ids``: per-layer outputs and logits.
+
+    ``placement`` (a ``dayzero.sharding.placement.Placement``): run sharded over its mesh, the
+    weights restored straight into their shardings, the outputs gathered whole.
+    """
     import jax
     import jax.numpy as jnp
 
     from dayzero.convert import load_checkpoint
+    from dayzero.convert.checkpoint import read_config
+    from dayzero.model.parallel import Parallel
     from dayzero.model.transformer import forward
+    from dayzero.model.weights import abstract_weights
 
-    config, weights = load_checkpoint(dst, jnp.float32)
+    shardings = parallel = None
+    tokens = np.asarray([ids], np.int32)
+    if placement is not None:
+        from dayzero.engine.generate import check_placement
+
+        config = read_config(dst)
+        check_placement(config, placement)
+        shardings = placement.shardings(abstract_weights(config))
+        parallel = Parallel(placement)
+        tokens = placement.replicate(tokens)
+    config, weights = load_checkpoint(dst, jnp.float32, shardings)
 
     def run(weights, config, tokens):
         hidden: list = []  # filled during tracing and returned, so no tracer escapes the jit
-        logits, _ = forward(weights, config, tokens, cache=None, all_logits=True, hidden_out=hidden)
+        logits, _ = forward(weights, config, tokens, cache=None, all_logits=True, hidden_out=hidden,
+                            parallel=parallel)
+        if placement is not None:  # whole on every device, so every process can read them
+            return jax.lax.with_sharding_constraint((logits, hidden), placement.replicated())
         return logits, hidden
 
-    logits, hidden = jax.jit(run, static_argnums=1)(weights, config, jnp.asarray([ids], jnp.int32))
+    logits, hidden = jax.jit(run, static_argnums=1)(weights, config, tokens)
     return [np.asarray(h[0]) for h in hidden], np.asarray(logits[0])
 
 
@@ -326,7 +346,7 @@ def prompt_ids(dst: Path, text: str | None, ids: list[int] | None, vocab_size: i
 
 
 def verify(src: str | Path, dst: str | Path, text: str | None = None, ids: list[int] | None = None,
-           tol: Tolerance = Tolerance()) -> Report:
+           tol: Tolerance = Tolerance(), placement: Any = None) -> Report:
     """Run the reference and the conversion on one prompt and compare them (see the module docstring).
 
     The reference runs first and is freed before the conversion is loaded, so the peak holds one
@@ -341,7 +361,7 @@ def verify(src: str | Path, dst: str | Path, text: str | None = None, ids: list[
     tokens = prompt_ids(dst, text, ids, int(manifest["config"]["vocab_size"]))
     ref_layers, ref_logits = run_reference(src, tokens)
     gc.collect()
-    our_layers, our_logits = run_dayzero(dst, tokens)
+    our_layers, our_logits = run_dayzero(dst, tokens, placement)
     return compare(ref_layers, ref_logits, our_layers, our_logits, tol)
 
 
@@ -367,7 +387,7 @@ def format_table(report: Report) -> str:
     return "\n".join(lines)
 
 
-def run_verify(args: Any, ids: list[int] | None) -> int:
+def run_verify(args: Any, ids: list[int] | None, placement: Any = None) -> int:
     """``dayzero verify`` with parsed arguments: 0 when within tolerance, 1 (verdict on stderr) when not."""
     for name in ("rtol", "atol", "max_kl"):
         if getattr(args, name) < 0:
@@ -375,7 +395,7 @@ def run_verify(args: Any, ids: list[int] | None) -> int:
     if not 0 <= args.min_top1 <= 1:
         raise VerifyError(f"--min-top1 {args.min_top1} must be between 0 and 1")
     tol = Tolerance(args.rtol, args.atol, args.max_kl, args.min_top1)
-    report = verify(args.reference, args.model, args.prompt, ids, tol)
+    report = verify(args.reference, args.model, args.prompt, ids, tol, placement)
     if args.json:
         print(json.dumps(report.to_json()))
     else:

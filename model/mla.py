@@ -27,6 +27,8 @@ transformer.py).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
@@ -163,12 +165,15 @@ def mla_block(
     cos_sin: tuple[jax.Array, jax.Array],
     layer_cache: tuple[jax.Array, ...] | None,
     masks: tuple[jax.Array | None, jax.Array],
+    attend: Callable = attend_latent,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Latent self-attention of ``x`` [B,T,D] over the layer's cache (None: nothing cached):
     ``(latent rows [B,S,L+R],)``, plus the indexer keys [B,S,J] with sparse attention.
 
     Returns the output [B,T,D] and what ``append_to_cache`` adds, in the same order: the new
-    latent rows [B,T,L+R] (and indexer keys [B,T,J]).
+    latent rows [B,T,L+R] (and indexer keys [B,T,J]). ``attend``: dense latent attention with
+    ``attend_latent``'s signature (``dayzero.model.mla_parallel`` swaps in a version for a
+    cache split over devices); sparse attention keeps its own.
     """
     m = config.mla
     q, q_lora = _queries(w, x)
@@ -178,7 +183,7 @@ def mla_block(
     new = latent_rows(w, config, x, cos_sin)
     if config.dsa is None:
         added = (new,)
-        attended = attend_latent(q_cat, None if layer_cache is None else layer_cache[0], new, masks)
+        attended = attend(q_cat, None if layer_cache is None else layer_cache[0], new, masks)
     else:
         new_keys = dsa.index_keys(w.indexer, config, x, cos_sin)
         added = (new, new_keys)

@@ -19,13 +19,18 @@ the read and the in-place write stay copy-free.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dayzero.model.config import AttentionKind, ModelConfig
-from dayzero.model.mla import mla_block
+from dayzero.model.mla import attend_latent, mla_block
+from dayzero.model.mla_parallel import attend_latent_split
 from dayzero.model.moe import moe, swiglu
+from dayzero.model.moe_parallel import moe_expert_parallel
+from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.weights import (
@@ -117,10 +122,22 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
     """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
     multi-head latent attention, per-head keys and values otherwise), placed by ``shardings``
     (a matching tree of shardings, e.g. from :func:`cache_specs`) when given."""
-    specs = cache_specs(config, batch, max_len)
-    cache = map_specs(lambda s: jnp.zeros(s.shape, dtype), specs)
-    cache = cache.replace(lengths=jnp.zeros((batch,), jnp.int32), rope_len=jnp.zeros((), jnp.int32))
-    return cache if shardings is None else jax.device_put(cache, shardings)
+    if shardings is None:
+        return _empty_cache(config, batch, max_len, dtype)
+    # Sharded: made in place on each device (no host copy, and no cross-process transfer when
+    # the mesh spans several processes).
+    return _sharded_cache_maker(shardings)(config, batch, max_len, dtype)
+
+
+def _empty_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache | LatentCache:
+    cache = map_specs(lambda s: jnp.zeros(s.shape, dtype), cache_specs(config, batch, max_len))
+    return cache.replace(lengths=jnp.zeros((batch,), jnp.int32), rope_len=jnp.zeros((), jnp.int32))
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_cache_maker(shardings):
+    # One jitted maker per sharding tree, so a second request of the same shape does not compile.
+    return jax.jit(_empty_cache, static_argnums=(0, 1, 2, 3), out_shardings=shardings)
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:
@@ -233,16 +250,20 @@ def decoder_layer(
     cos_sin: tuple[jax.Array, jax.Array],
     layer_cache: tuple[jax.Array, ...] | None,
     masks: tuple[jax.Array | None, jax.Array],
+    parallel: Parallel | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Pre-norm residual block: attention then SwiGLU MLP or MoE.
 
     ``layer_cache`` is the layer's cached arrays (``cache.layer(i)``, None when nothing is
     cached); also returns what the layer adds to the cache: (keys, values), or (latent rows,)
     for multi-head latent attention, (latent rows, indexer keys) with sparse attention.
+    ``parallel``: the mesh, for the blocks that write their collectives by hand (see
+    ``dayzero.model.parallel``).
     """
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
     if config.attention is AttentionKind.MLA:
-        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks)
+        attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
+        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, attend)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
         attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
@@ -250,7 +271,12 @@ def decoder_layer(
     x = x + attn_out
     h = rms_norm(x, w.mlp_norm, config.rms_norm_eps)
     # The weight tree's type per layer follows config.moe.layers (see weights._layer_specs).
-    x = x + (moe(w.mlp, config.moe, h) if isinstance(w.mlp, MoEWeights) else mlp(w.mlp, h))
+    if not isinstance(w.mlp, MoEWeights):
+        x = x + mlp(w.mlp, h)
+    elif parallel is None or parallel.size("experts") == 1:
+        x = x + moe(w.mlp, config.moe, h)
+    else:
+        x = x + moe_expert_parallel(w.mlp, config.moe, h, parallel)
     return x, new
 
 
@@ -290,6 +316,7 @@ def forward(
     num_new: jax.Array | None = None,
     all_logits: bool = False,
     hidden_out: list | None = None,
+    parallel: Parallel | None = None,
 ) -> tuple[jax.Array, NewKV | NewLatent]:
     """Run ``tokens`` [B,T] as the continuation of each cached row (from scratch if no cache).
 
@@ -298,7 +325,9 @@ def forward(
     [B,V], and the new keys/values to pass to :func:`append_to_cache`. ``hidden_out``, when
     given a list, receives each decoder layer's output (for layer-by-layer comparison).
     A first prefill should pass ``cache=None`` rather than an empty cache: reading an empty
-    cache costs as much attention work as a full one.
+    cache costs as much attention work as a full one. ``parallel`` (on a mesh): MoE blocks
+    dispatch tokens to the devices owning their experts when the experts are split, latent
+    attention works on each device's slice of a split latent cache (``dayzero.model.parallel``).
     """
     B, T = tokens.shape
     if num_new is None:
@@ -318,7 +347,8 @@ def forward(
     new = []  # per layer, what it adds to the cache
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
-        x, added = decoder_layer(layer, config, x, cos_sin, None if cache is None else cache.layer(i), layer_masks)
+        layer_cache = None if cache is None else cache.layer(i)
+        x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel)
         new.append(added)
         if hidden_out is not None:
             hidden_out.append(x)

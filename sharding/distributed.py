@@ -1,12 +1,25 @@
-"""Multi-host start-up and mesh specifications shared by every command."""
+"""Multi-host start-up and mesh specifications shared by every command.
+
+A multi-host run is JAX's multi-controller runtime: every process runs the same program and
+joins through a coordinator (process 0's address). On CPU the cross-process collectives run over
+gloo. A process that dies is noticed by the others through the runtime's heartbeats: after
+``HEARTBEAT_TIMEOUT_S`` without one, the survivors' runtime ends them with an error naming the
+missing task, instead of letting them wait in a collective forever. A process that never
+arrives makes the others give up after ``INIT_TIMEOUT_S``. (``dayzero launch-local`` also stops
+the rest as soon as one of its processes fails.)
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
 import jax
+import numpy as np
 
 MESH_AXES = ("data", "tensor", "expert")
+INIT_TIMEOUT_S = 120
+HEARTBEAT_TIMEOUT_S = 20
+SHUTDOWN_TIMEOUT_S = 30
 
 
 class MeshError(ValueError):
@@ -49,7 +62,33 @@ def initialize(group: ProcessGroup) -> None:
         coordinator_address=group.coordinator,
         num_processes=group.num_processes,
         process_id=group.process_id,
+        initialization_timeout=INIT_TIMEOUT_S,
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+        shutdown_timeout_seconds=SHUTDOWN_TIMEOUT_S,
     )
+
+
+def is_primary_process() -> bool:
+    """True in process 0 (and in a single-process run): the one that writes shared files."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process of a multi-host run gets here (no-op for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def shared_token(token: str) -> str:
+    """Process 0's ``token`` (ASCII) in every process, e.g. one temporary directory name for all."""
+    if jax.process_count() == 1:
+        return token
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(token.encode("ascii"), np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw))).decode("ascii")
 
 
 def parse_mesh(text: str | None) -> dict[str, int]:

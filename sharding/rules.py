@@ -60,6 +60,11 @@ class Rules:
         # Freeze the table: rules objects are shared between callers and must not drift.
         object.__setattr__(self, "table", MappingProxyType(dict(self.table)))
 
+    def __hash__(self) -> int:
+        # Rules travel as jit static arguments (inside a Placement), so they must hash; the
+        # read-only table does not, its items do.
+        return hash((self.name, tuple(sorted(self.table.items(), key=lambda kv: kv[0]))))
+
     def mesh_axis(self, logical: str | None) -> str | None:
         """The mesh axis that ``logical`` is split over (None: replicated, or an unnamed dim)."""
         if logical is None:
@@ -175,9 +180,11 @@ def make_mesh(axes: Mapping[str, int], devices: list | None = None) -> Mesh:
         raise MeshError(f"mesh sizes must be >= 1, got {dict(axes)}")
     devices = list(jax.devices() if devices is None else devices)
     if math.prod(shape) != len(devices):
+        given = ",".join(f"{a}={s}" for a, s in axes.items())
         raise MeshError(
-            f"mesh {dict(zip(MESH_AXES, shape))} needs {math.prod(shape)} devices but there are "
-            f"{len(devices)}; the sizes must multiply to the device count"
+            f"mesh {given} needs {math.prod(shape)} devices but there are {len(devices)}; make the "
+            "sizes multiply to the device count (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N "
+            "fakes N devices)"
         )
     # Auto axis types: the model does not yet annotate out_sharding on its contractions, which
     # Explicit mode would require; XLA's propagation places the intermediates instead.

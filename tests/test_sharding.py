@@ -116,6 +116,76 @@ def test_make_mesh_checks_the_device_count():
         R.make_mesh({"model": 1})
 
 
+def test_rules_follow_the_mesh_axes():
+    from dayzero.sharding.placement import rules_for_mesh
+
+    assert rules_for_mesh({}).name == "single_device"
+    assert rules_for_mesh({"tensor": 1, "data": 1}).name == "single_device"
+    assert rules_for_mesh({"tensor": 8}).name == "tensor_parallel"
+    assert rules_for_mesh({"expert": 8}).name == "tensor_expert_parallel"
+    assert rules_for_mesh({"tensor": 2, "expert": 4}).name == "tensor_expert_parallel"
+    assert rules_for_mesh({"data": 2}).name == "data_tensor"
+    assert rules_for_mesh({"data": 2, "tensor": 4}).name == "data_tensor"
+    with pytest.raises(MeshError, match="data=2 x expert=4 is not supported"):
+        rules_for_mesh({"data": 2, "expert": 4})
+
+
+def test_one_device_mesh_is_the_single_device_path():
+    from dayzero.sharding.placement import placement_from_text
+
+    assert placement_from_text(None) is None
+    assert placement_from_text("tensor=1,data=1") is None
+    with pytest.raises(MeshError, match="tensor=2 needs 2 devices"):
+        placement_from_text("tensor=2")
+
+
+def test_placements_are_hashable_jit_statics():
+    from dayzero.sharding.placement import Placement
+
+    mesh = R.make_mesh({"tensor": 1})
+    a, b = Placement(mesh, R.tensor_parallel()), Placement(mesh, R.tensor_parallel())
+    assert a == b and hash(a) == hash(b)
+    assert a != Placement(mesh, R.data_tensor())
+
+
+def test_expert_parallel_capacity_policy():
+    from dayzero.model.moe_parallel import check_expert_parallel
+    from dayzero.model.parallel import Parallel
+
+    class EightExperts:  # Parallel reads only the rules and the mesh's axis sizes
+        mesh = FakeMesh(expert=8)
+        rules = R.tensor_expert_parallel()
+
+    # No factor: room for every pair of a device's tokens at one destination (never drops).
+    assert Parallel(EightExperts()).capacity(tokens_per_device=4, experts_per_token=2) == 8
+    # A factor scales the average load per destination, never beyond the no-drop size.
+    assert Parallel(EightExperts(), 2.0).capacity(32, 2) == 16
+    assert Parallel(EightExperts(), 100.0).capacity(32, 2) == 64
+    assert Parallel(EightExperts(), 0.01).capacity(32, 2) == 1
+    with pytest.raises(ValueError, match="capacity_factor"):
+        Parallel(EightExperts(), 0.0)
+    with pytest.raises(ValueError, match="6 experts do not split evenly over expert=4"):
+        check_expert_parallel(6, 4)
+
+
+def test_engine_refuses_meshes_the_model_cannot_use():
+    from dataclasses import replace
+
+    from dayzero.engine.generate import check_placement
+    from dayzero.model.config import MoEConfig
+
+    class Axes:
+        def __init__(self, **sizes):
+            self.axes = {"data": 1, "tensor": 1, "expert": 1, **sizes}
+
+    with pytest.raises(MeshError, match="expert=4 needs a Mixture-of-Experts model"):
+        check_placement(_tiny_config(), Axes(expert=4))
+    moe = MoEConfig(num_experts=6, experts_per_token=2, intermediate_size=32, layers=(True, True))
+    with pytest.raises(MeshError, match="6 experts do not split evenly"):
+        check_placement(replace(_tiny_config(), moe=moe), Axes(expert=4))
+    check_placement(_tiny_config(), Axes(tensor=8))  # any dense model runs tensor-parallel
+
+
 def _tiny_config():
     from dayzero.model.config import Family, ModelConfig, RopeConfig
 

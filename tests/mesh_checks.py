@@ -1,0 +1,248 @@
+"""Checks that need 8 (faked) CPU devices, run in a fresh interpreter by the mesh tests.
+
+``python -m tests.mesh_checks PART [ARGS]`` with XLA_FLAGS=--xla_force_host_platform_device_count=8
+prints one JSON object of measurements; the tests (test_mesh_engine.py, test_mesh_checkpoint.py)
+assert on it. The device count is fixed when jax first initialises, which the pytest process has
+already done with one device, hence the subprocess; one per part, so compiles are shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.engine.generate import Engine
+from dayzero.engine.measure import CompileCounter
+from dayzero.engine.sampling import SamplingParams
+from dayzero.model.config import MoEConfig
+from dayzero.model.moe import router_logits
+from dayzero.model.parallel import Parallel
+from dayzero.model.transformer import forward
+from dayzero.model.weights import abstract_weights, init_weights
+from dayzero.sharding.placement import placement_for
+from tests.test_sharding import _tiny_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+
+
+def run_part(part: str, *args: str, timeout: int = 300) -> dict:
+    """Run one part below in a fresh interpreter with 8 CPU devices; return its JSON result."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "tests.mesh_checks", part, *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+NEW = 6
+
+
+def rel_err(a, b) -> float:
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def moe_config():
+    """The tiny dense config with 8 experts of width 32 in both layers (top-2, renormalised)."""
+    moe = MoEConfig(num_experts=8, experts_per_token=2, intermediate_size=32, layers=(True, True))
+    return replace(_tiny_config(), moe=moe)
+
+
+def generation(engine: Engine) -> dict:
+    """Greedy tokens and logprobs of PROMPTS from a fresh engine, and the compilations during
+    its decode steps after the first (the warm-up: prefill and one decode step compile)."""
+    stream = engine.stream_ids(PROMPTS, NEW, [SamplingParams()] * len(PROMPTS))
+    steps = [next(stream), next(stream)]
+    with CompileCounter() as counter:
+        steps += list(stream)
+    tokens = np.stack([t for t, _ in steps], axis=1)
+    logprobs = np.stack([lp for _, lp in steps], axis=1)
+    return {"tokens": tokens.tolist(), "logprobs": logprobs.tolist(), "decode_compiles": counter.count}
+
+
+def compare(ref: dict, got: dict) -> dict:
+    """Token agreement and the largest logprob difference of two ``generation`` results."""
+    diff = max(abs(a - b) for r, g in zip(ref["logprobs"], got["logprobs"]) for a, b in zip(r, g))
+    return {"same_tokens": ref["tokens"] == got["tokens"], "logprob_diff": diff,
+            "decode_compiles": got["decode_compiles"]}
+
+
+def sharded_logits(config, weights, tokens, axes, expert_parallel: bool, capacity_factor=None):
+    """All-position logits with the weights laid out on a mesh of ``axes``."""
+    placement = placement_for(axes)
+    par = Parallel(placement, capacity_factor) if expert_parallel else None
+    sharded = jax.device_put(weights, placement.shardings(abstract_weights(config)))
+    run = jax.jit(lambda w, t: forward(w, config, t, all_logits=True, parallel=par)[0])
+    return np.asarray(run(sharded, placement.replicate(np.asarray(tokens))))
+
+
+def logits_and_router_gap(config, weights, tokens) -> tuple[np.ndarray, float]:
+    """One-device all-position logits, and the smallest margin between the C-th and (C+1)-th
+    router logit over every token and MoE layer (a near-tie would test rounding, not dispatch)."""
+    import dayzero.model.transformer as transformer
+
+    def run(w, t):
+        inputs = []  # each MoE block's (router, hidden states), filled while tracing
+        real_moe = transformer.moe
+        transformer.moe = lambda mw, c, h: inputs.append((mw.router, h)) or real_moe(mw, c, h)
+        try:
+            logits = forward(w, config, t, all_logits=True)[0]
+        finally:
+            transformer.moe = real_moe
+        return logits, [router_logits(r, h.reshape(-1, h.shape[-1])) for r, h in inputs]
+
+    logits, routers = jax.jit(run)(weights, tokens)
+    C = config.moe.experts_per_token
+    gaps = [np.sort(np.asarray(r), axis=-1) for r in routers]
+    return np.asarray(logits), min(float((s[:, -C] - s[:, -C - 1]).min()) for s in gaps)
+
+
+def local_expert_shapes(config, weights, tokens, axes) -> dict:
+    """What one device sees inside the expert-parallel shard_map: its weight shapes, collectives."""
+    placement = placement_for(axes)
+    par = Parallel(placement)
+    jaxpr = jax.make_jaxpr(lambda w, t: forward(w, config, t, all_logits=True, parallel=par)[0])(
+        weights, tokens)
+    bodies = [e.params["jaxpr"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "shard_map"]
+    body = bodies[0]
+    names = {e.primitive.name for e in body.eqns}
+    # Arguments: tokens, valid, then the MoEWeights leaves (router, gate, up, down).
+    shapes = [list(v.aval.shape) for v in body.invars]
+    return {"shard_maps": len(bodies), "arg_shapes": shapes, "all_to_all": "all_to_all" in names}
+
+
+def part_dense() -> dict:
+    config = _tiny_config()
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
+    ref = generation(Engine(config, weights))
+    out = {"devices": len(jax.devices())}
+    for name, axes in (("tp8", {"tensor": 8}), ("dp2tp4", {"data": 2, "tensor": 4})):
+        engine = Engine(config, weights, placement=placement_for(axes))
+        out[name] = compare(ref, generation(engine))
+        out[name]["k_cache_spec"] = [str(a) for a in engine._cache_shardings(2, 256).k[0].spec]
+    out["mla_tp8"] = part_mla()
+    return out
+
+
+def mla_config():
+    """The tiny config with multi-head latent attention (no q LoRA, latent 32 + rope 8)."""
+    from dayzero.model.config import AttentionKind, MLAConfig
+
+    mla = MLAConfig(q_lora_rank=None, kv_lora_rank=32, nope_dim=8, rope_dim=8, v_head_dim=8)
+    return replace(_tiny_config(), attention=AttentionKind.MLA, mla=mla)
+
+
+def gathered_shapes(engine: Engine, batch: int, max_len: int) -> list[str]:
+    """The result shapes of every all-gather in the compiled decode step."""
+    import re
+
+    from dayzero.engine.sampling import batch_sampling
+
+    from dayzero.model.transformer import init_cache
+
+    cache = init_cache(engine.config, batch, max_len, jnp.float32, engine._cache_shardings(batch, max_len))
+    mode, rows = batch_sampling([SamplingParams()] * batch)
+    host = engine._host
+    text = engine._decode.lower(engine.weights, host(np.zeros((batch, 1), np.int32)), host(np.ones(batch, np.int32)),
+                                host(rows), host(np.int32(1)), mode=mode, cache=cache).compile().as_text()
+    return re.findall(r"= (\S+) all-gather(?:-start)?\(", text)
+
+
+def part_mla() -> dict:
+    config = mla_config()
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
+    ref = generation(Engine(config, weights))
+    engine = Engine(config, weights, placement=placement_for({"tensor": 8}))
+    out = compare(ref, generation(engine))
+    out["latent_spec"] = [str(a) for a in engine._cache_shardings(2, 256).latent[0].spec]
+    out["decode_all_gathers"] = gathered_shapes(engine, 2, 256)
+    return out
+
+
+def part_moe() -> dict:
+    config = moe_config()
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, config.vocab_size)
+    ref, gap = logits_and_router_gap(config, weights, tokens)
+    out = {"router_gap": gap}
+    for name, axes in (("ep8", {"expert": 8}), ("tp2ep4", {"tensor": 2, "expert": 4})):
+        out[name] = {"err": rel_err(sharded_logits(config, weights, tokens, axes, True), ref)}
+    # Capacity: a small factor drops pairs, and the logits move.
+    out["ep8"]["tight_err"] = rel_err(sharded_logits(config, weights, tokens, {"expert": 8}, True, 0.25), ref)
+    out["local"] = local_expert_shapes(config, weights, tokens, {"tensor": 2, "expert": 4})
+    gen_ref = generation(Engine(config, weights))
+    out["ep8"]["generate"] = compare(gen_ref, generation(Engine(config, weights, placement=placement_for({"expert": 8}))))
+    return out
+
+
+def part_checkpoint(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
+    """``one_device_dir`` (converted without a mesh) loaded into tensor=8; ``hf_dir`` converted here
+    for data=2 x tensor=4 into ``mesh_dir`` and loaded on one device."""
+    from pathlib import Path
+
+    from dayzero.convert import convert_checkpoint, load_checkpoint, verify_checkpoint
+    from dayzero.model.weights import named_leaves
+
+    config, one = load_checkpoint(one_device_dir)
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (2, 24), 0, config.vocab_size))
+    run = jax.jit(lambda w, t: forward(w, config, t, all_logits=True)[0])
+    ref = np.asarray(run(one, tokens))
+    tp8 = placement_for({"tensor": 8})
+    _, on_tp8 = load_checkpoint(one_device_dir, shardings=tp8.shardings(abstract_weights(config)))
+    out = {
+        "tp8_err": rel_err(run(on_tp8, tp8.replicate(tokens)), ref),
+        "tp8_q_spec": [str(a) for a in on_tp8.layers[0].attn.q.sharding.spec],
+        "tp8_same_values": all(np.array_equal(np.asarray(a), np.asarray(b))
+                               for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(on_tp8))),
+    }
+    convert_checkpoint(hf_dir, mesh_dir, progress=False, placement=placement_for({"data": 2, "tensor": 4}))
+    manifest = json.loads((Path(mesh_dir) / "manifest.json").read_text())
+    zarray = json.loads((Path(mesh_dir) / "weights" / "layer_000" / "mlp.gate" / ".zarray").read_text())
+    _, back = load_checkpoint(mesh_dir)  # one device
+    leaves_one, leaves_back = named_leaves(one), named_leaves(back)
+    out.update({
+        "mesh": manifest["mesh"], "rules": manifest["rules"],
+        "gate_spec": manifest["tensors"]["layers/0/mlp/gate"]["spec"], "gate_chunks": zarray["chunks"],
+        "one_device_devices": sorted({str(d) for x in jax.tree.leaves(back) for d in x.devices()}),
+        "same_values": all(np.array_equal(np.asarray(leaves_one[k]), np.asarray(leaves_back[k])) for k in leaves_one),
+        "same_logits": bool(np.array_equal(np.asarray(run(back, tokens)), ref)),
+        "verified_leaves": verify_checkpoint(mesh_dir),
+    })
+    out["cli"] = cli_on_mesh(hf_dir, one_device_dir, mesh_dir)
+    return out
+
+
+def cli_on_mesh(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
+    """``generate`` and ``verify`` with ``--mesh``, against the one-device engine."""
+    import contextlib
+    import io
+
+    from dayzero.engine.cli import main
+
+    def run(*argv) -> tuple[int, dict]:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            rc = main([str(a) for a in argv])
+        return rc, json.loads(out.getvalue().strip().splitlines()[-1])
+
+    ids = [5, 3, 2, 7, 1, 9]
+    one = Engine.load(one_device_dir).generate(ids, max_new_tokens=NEW, logprobs=True, ignore_eos=True)
+    rc, gen = run("generate", "--model", mesh_dir, "--prompt-ids", ",".join(map(str, ids)),
+                  "--max-new-tokens", NEW, "--json", "--logprobs", "--mesh", "data=2,tensor=4")
+    vrc, report = run("verify", "--model", one_device_dir, "--reference", hf_dir, "--json",
+                      "--prompt-ids", ",".join(map(str, ids * 4)), "--mesh", "tensor=8")
+    return {"generate_rc": rc, "same_tokens": gen["token_ids"] == one.token_ids,
+            "logprob_diff": max(abs(a - b) for a, b in zip(gen["logprobs"], one.logprobs)),
+            "verify_rc": vrc, "verify_passed": report["passed"]}
+
+
+PARTS = {"dense": part_dense, "moe": part_moe, "checkpoint": part_checkpoint}
+
+if __name__ == "__main__":
+    print(json.dumps(PARTS[sys.argv[1]](*sys.argv[2:])))
