@@ -31,11 +31,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dayzero.engine.tokenizer import TokenizerError
     from dayzero.engine.verify import VerifyError
     from dayzero.model.config import ConfigError
+    from dayzero.sharding.planner import PlanError
 
     return (
         ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
         BenchError, PeerError, PlotError, SoakError,
-        VerifyError, CheckError, LaunchError,
+        VerifyError, CheckError, LaunchError, PlanError,
     )
 
 
@@ -153,6 +154,21 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("--processes", type=int, required=True, metavar="N", help="number of processes")
     ll.add_argument("--devices-per-process", type=int, required=True, metavar="D", help="CPU devices per process")
     ll.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the dayzero command to run")
+
+    pl = sub.add_parser("plan", help="per-device memory on N devices: weights, KV cache, activations, mesh, fits?")
+    model = pl.add_mutually_exclusive_group(required=True)
+    model.add_argument("--config", metavar="PATH", help="HF config.json (or the directory holding it)")
+    model.add_argument("--preset", metavar="NAME", help="a named model: deepseek-v3, kimi-k2, frontier-3t-1m")
+    pl.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
+    pl.add_argument("--device-memory", required=True, metavar="SIZE", help="memory per device, e.g. 80GiB or 141GB")
+    pl.add_argument("--weight-dtype", default="bfloat16", choices=("float32", "bfloat16", "float8"))
+    pl.add_argument("--kv-dtype", default="bfloat16", choices=("float32", "bfloat16", "float8", "int8"))
+    pl.add_argument("--context", type=int, default=4096, metavar="N", help="cache positions per row")
+    pl.add_argument("--batch", type=int, default=1, metavar="B", help="rows decoded together")
+    pl.add_argument("--reserve", type=float, default=0.1, metavar="F", help="fraction of each device kept free")
+    pl.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_mesh_arg(pl)
+    _add_process_args(pl)
     return parser
 
 
@@ -229,6 +245,13 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
     return launch_local(args.cmd, args.processes, args.devices_per_process, known)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """``dayzero plan``: exit 0 when the plan fits, 1 when it does not."""
+    from dayzero.engine.plan import run_plan
+
+    return run_plan(args)
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "convert": cmd_convert,
     "generate": cmd_generate,
@@ -236,6 +259,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "verify": cmd_verify,
     "check": cmd_check,
     "launch-local": cmd_launch_local,
+    "plan": cmd_plan,
 }
 
 

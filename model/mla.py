@@ -37,6 +37,12 @@ from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
 from dayzero.model.weights import MLAWeights
+from dayzero.sharding.rules import constrain
+
+# The logical layout of scores/probabilities over cached positions [B, queries, S]: split like
+# the cache's positions, so a mesh that splits both heads and positions over one axis moves the
+# small queries to the cache shard rather than the cache to every device (see ``constrain``).
+_OVER_CACHE = ("batch", None, "latent_seq")
 
 # HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -85,6 +91,12 @@ def _masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(mask, probs, 0.0)
 
 
+def _per_head(mask: jax.Array, N: int) -> jax.Array:
+    """A [B,T,keys] mask repeated for each head, in the (t, n) row order of flattened queries."""
+    B, T, K = mask.shape
+    return jnp.broadcast_to(mask[:, :, None], (B, T, N, K)).reshape(B, T * N, K)
+
+
 def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
                   masks: tuple[jax.Array | None, jax.Array]) -> jax.Array:
     """Softmax attention of absorbed queries ``q`` [B,T,N,C] over latent rows -> [B,T,N,C].
@@ -94,25 +106,40 @@ def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
     [B, T*N, C] (a free reshape), so both products are plain batched matmuls over the cache.
     The value product runs over all C columns and drops the rope ones afterwards: slicing the
     cache first would copy it, and the R extra columns cost only R/L more work.
+
+    The softmax treats the cached and the new keys as two blocks with one shared maximum and
+    one denominator, applied after the value products, so the cached scores are never
+    concatenated to the new ones: on a mesh that splits the cache's positions they stay split
+    like the cache (``_OVER_CACHE``), and only per-query maxima, sums and outputs cross devices.
     """
     B, T, N, C = q.shape
     qf = q.reshape(B, T * N, C)
     mask_cached, mask_new = masks
-    scores = jnp.einsum("bmc,bjc->bmj", qf, new, preferred_element_type=jnp.float32)
-    mask = mask_new
+
+    def masked_scores(rows: jax.Array, mask: jax.Array) -> jax.Array:
+        scores = jnp.einsum("bmc,bsc->bms", qf, rows, preferred_element_type=jnp.float32)
+        return jnp.where(_per_head(mask, N), scores, -jnp.inf)
+
+    def value_product(weights: jax.Array, rows: jax.Array) -> jax.Array:
+        return jnp.einsum("bms,bsc->bmc", weights.astype(q.dtype), rows, preferred_element_type=jnp.float32)
+
+    s_new = masked_scores(new, mask_new)
+    top = jnp.max(s_new, axis=-1, keepdims=True)
     if cache is not None:
         cache = cache.astype(q.dtype)
-        s_cached = jnp.einsum("bmc,bsc->bms", qf, cache, preferred_element_type=jnp.float32)
-        scores = jnp.concatenate([s_cached, scores], axis=-1)
-        mask = jnp.concatenate([mask_cached, mask_new], axis=-1)
-    # The [B,T,keys] mask repeated for each head, in the (t, n) row order of the queries.
-    mask = jnp.broadcast_to(mask[:, :, None], (B, T, N, mask.shape[-1])).reshape(B, T * N, -1)
-    probs = _masked_softmax(scores, mask).astype(q.dtype)
-    S = 0 if cache is None else cache.shape[1]
-    out = jnp.einsum("bmj,bjc->bmc", probs[..., S:], new)
+        s_cached = constrain(masked_scores(cache, mask_cached), _OVER_CACHE)
+        top = jnp.maximum(top, jnp.max(s_cached, axis=-1, keepdims=True))
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a query with no visible key (padding row)
+    w_new = jnp.exp(s_new - top)  # masked keys: exp(-inf) = 0
+    total = jnp.sum(w_new, axis=-1, keepdims=True)
+    out = value_product(w_new, new)
     if cache is not None:
-        out += jnp.einsum("bms,bsc->bmc", probs[..., :S], cache)
-    return out.reshape(B, T, N, C)
+        w_cached = constrain(jnp.exp(s_cached - top), _OVER_CACHE)
+        total += jnp.sum(w_cached, axis=-1, keepdims=True)
+        out += value_product(w_cached, cache)
+    # Zero for a query with no visible key, as the concatenated softmax's masked form gave.
+    out = out / jnp.where(total > 0, total, 1.0)
+    return out.astype(q.dtype).reshape(B, T, N, C)
 
 
 def attend_gathered(q: jax.Array, cache: jax.Array, new: jax.Array, mask_new: jax.Array,
