@@ -262,8 +262,8 @@ def decoder_layer(
     """
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
     if config.attention is AttentionKind.MLA:
-        attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
-        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, attend)
+        latent_attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
+        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, latent_attend)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
         attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
