@@ -6,10 +6,12 @@
 
 1. ``dayzero plan``'s arithmetic recommends a mesh for the workload given (device memory,
    weight and KV dtypes, batch, context), unless ``--mesh`` fixes one.
-2. On that mesh, faked with ``--xla_force_host_platform_device_count`` CPU devices, the decode
-   step (``transformer.forward`` of one token per row over a cache of ``--context`` positions,
-   inside ``activation_sharding``) is lowered from ``jax.ShapeDtypeStruct`` weights and cache
-   carrying their shardings -- nothing is allocated -- and compiled; ``memory_analysis()`` gives
+2. On that mesh, faked with ``--xla_force_host_platform_device_count`` CPU devices, the engine's
+   decode step (``generate.engine_step`` with the engine's ``Parallel``: one token per row over
+   a cache of ``--context`` positions, latent attention in ``shard_map`` over the
+   position-split cache, expert-parallel MoE dispatch when the mesh has ``expert`` > 1, greedy
+   sampling) is lowered from ``jax.ShapeDtypeStruct`` weights, cache and host inputs carrying
+   the engine's shardings -- nothing is allocated -- and compiled; ``memory_analysis()`` gives
    per-device argument, output and temporary bytes.
 3. The whole model is compiled (DeepSeek-V3: ~1 minute and 1 GB here). XLA's per-device bytes
    of each weight and cache leaf are read from the compiled input shardings (their sum is
@@ -24,10 +26,6 @@ The check runs in fp32 by default: XLA:CPU computes bf16 matmuls by converting t
 to fp32, so a bf16 lowering's temporary bytes hold fp32 copies of weights that no GPU or TPU
 makes. Weights and cache scale exactly with the element size, which ``--check-dtype bfloat16``
 shows (its argument bytes agree; its temporary bytes are CPU-specific).
-
-MoE blocks lower through the plain forward, so GSPMD places their communication; on a mesh with
-``expert`` > 1 it would gather every expert onto every device, which is why the check uses
-meshes without an expert axis unless told otherwise.
 """
 
 from __future__ import annotations

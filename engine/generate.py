@@ -90,6 +90,25 @@ def check_placement(config: ModelConfig, placement: Placement) -> None:
             raise MeshError(str(e)) from None
 
 
+def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights, tokens, num_new,
+                rows: RowSampling, step, mode: SamplingMode, cache=None) -> tuple:
+    """One step as :class:`Engine` jits it (prefill without a cache, decode with one).
+
+    The forward pass (on a mesh with ``parallel``'s hand-written blocks: split latent attention,
+    expert-parallel MoE) then sampling; returns the next tokens [B], their log-probabilities [B]
+    and what ``append_to_cache`` writes. ``dayzero.engine.plan_check`` lowers the same function.
+    """
+    logits, new = forward(weights, config, tokens, cache, num_new, parallel=parallel)
+    next_tokens, logprobs = sample(logits, rows, step, mode)
+    if parallel is not None:
+        # Replicated: every process reads them back, and the next step gets the same layout
+        # whichever step produced them.
+        next_tokens, logprobs = jax.lax.with_sharding_constraint(
+            (next_tokens, logprobs), parallel.placement.replicated()
+        )
+    return next_tokens, logprobs, new
+
+
 class Engine:
     """A loaded model with compiled prefill/decode steps.
 
@@ -172,15 +191,7 @@ class Engine:
     # ---- compiled pieces -------------------------------------------------------------------
 
     def _step_impl(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache=None):
-        logits, new = forward(weights, self.config, tokens, cache, num_new, parallel=self._parallel)
-        next_tokens, logprobs = sample(logits, rows, step, mode)
-        if self.placement is not None:
-            # Replicated: every process reads them back, and the next step gets the same layout
-            # whichever step produced them.
-            next_tokens, logprobs = jax.lax.with_sharding_constraint(
-                (next_tokens, logprobs), self.placement.replicated()
-            )
-        return next_tokens, logprobs, new
+        return engine_step(self.config, self._parallel, weights, tokens, num_new, rows, step, mode, cache)
 
     def _append_on_mesh(self, cache, new):
         cache = append_to_cache(cache, new)

@@ -1,28 +1,34 @@
 """The planner's figures against XLA's compiled memory analysis of the sharded decode step.
 
-Used by ``bench/plan_vs_xla.py`` and its test. The decode step is ``transformer.forward`` of one
-token per row over a full cache, traced inside ``activation_sharding`` (as a sharded engine
-step must be); XLA's activation figure is its temporary bytes plus its outputs. Needs as many (faked) devices as the mesh has:
-run it in a process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``.
-Nothing is allocated: weights and cache are ``jax.ShapeDtypeStruct`` carrying their shardings.
+Used by ``bench/plan_vs_xla.py`` and its test. The decode step is the one the engine runs on
+that mesh (``dayzero.engine.generate.engine_step`` with the engine's ``Parallel``: latent
+attention over the position-split cache in ``shard_map``, expert-parallel MoE dispatch when the
+mesh has ``expert`` > 1), greedy, one token per row over a full cache; XLA's activation figure
+is its temporary bytes plus its outputs. Needs as many (faked) devices as the mesh has: run it
+in a process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``. Nothing is
+allocated: weights, cache and host inputs are ``jax.ShapeDtypeStruct`` carrying the shardings
+the engine gives them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 
+from dayzero.engine.generate import check_placement, engine_step
+from dayzero.engine.sampling import SamplingMode, SamplingParams, batch_sampling
 from dayzero.model.config import ModelConfig
 from dayzero.model.footprint import DecodeFootprint
-from dayzero.model.transformer import cache_specs, forward
+from dayzero.model.parallel import Parallel
+from dayzero.model.transformer import cache_specs
 from dayzero.model.weights import abstract_weights, is_spec, leaf_path, shape_structs
-from dayzero.sharding import rules as R
-from dayzero.sharding.planner import KVDtype, WeightDtype, Workload, evaluate, strategy_for
+from dayzero.sharding.placement import Placement, placement_for
+from dayzero.sharding.planner import KVDtype, WeightDtype, Workload, evaluate
 
 _INT_LEAVES = ("lengths", "rope_len")
 
@@ -55,34 +61,52 @@ def _per_device(structs: Any, shardings: Any) -> dict[str, int]:
     flat, _ = jax.tree_util.tree_flatten_with_path(structs)
     shards = jax.tree.leaves(shardings)
     return {
-        leaf_path(path): math.prod(sh.shard_shape(s.shape)) * jnp.dtype(s.dtype).itemsize
+        leaf_path(path): math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
         for (path, s), sh in zip(flat, shards)
     }
 
 
-def xla_decode_memory(config: ModelConfig, axes: dict[str, int], batch: int, context: int, dtype) -> dict:
-    """Lower and compile one decode step of ``config`` on a mesh of ``axes``; per-device bytes."""
-    rules = strategy_for(axes)
-    mesh = R.make_mesh(axes)
+def _abstract(value: Any, sharding) -> Any:
+    """A tree of arrays as ``jax.ShapeDtypeStruct`` leaves carrying ``sharding``."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), value)
+
+
+def decode_step_inputs(config: ModelConfig, placement: Placement, batch: int, context: int, dtype) -> tuple:
+    """Abstract (weights, tokens, num_new, rows, step, cache) of a decode step, laid out as the
+    engine lays them out on ``placement``: weights and cache by their logical axes, host inputs
+    replicated (``Engine._host``), the tokens as the previous step returned them (replicated)."""
     specs = abstract_weights(config)
-    weights = shape_structs(specs, dtype, R.weight_shardings(specs, rules, mesh))
+    weights = shape_structs(specs, dtype, placement.shardings(specs))
     cspecs = cache_specs(config, batch, context)
-    cache = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), cspecs,
-        R.weight_shardings(cspecs, rules, mesh), is_leaf=is_spec)
+    cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), cspecs,
+                         placement.shardings(cspecs), is_leaf=is_spec)
     cache = cache.replace(**{n: jax.ShapeDtypeStruct(getattr(cache, n).shape, jnp.int32,
                                                      sharding=getattr(cache, n).sharding) for n in _INT_LEAVES})
-    tokens = jax.ShapeDtypeStruct((batch, 1), jnp.int32, sharding=NamedSharding(
-        mesh, R.spec_for(("batch", None), rules, mesh, (batch, 1))))
-    step = jax.jit(lambda w, t, c: forward(w, config, t, c))
-    with R.activation_sharding(rules, mesh):
-        compiled = step.lower(weights, tokens, cache).compile()
+    replicated = placement.replicated()
+    _, rows = batch_sampling([SamplingParams()] * batch)
+    host = (jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch,), jnp.int32), rows, jnp.int32(1))
+    tokens, num_new, rows, step = _abstract(host, replicated)
+    return weights, tokens, num_new, rows, step, cache
+
+
+def xla_decode_memory(config: ModelConfig, axes: dict[str, int], batch: int, context: int, dtype) -> dict:
+    """Lower and compile the engine's greedy decode step of ``config`` on a mesh of ``axes``
+    (``generate.engine_step`` with the engine's ``Parallel``); per-device bytes."""
+    placement = placement_for(axes)
+    if placement is None:
+        raise ValueError(f"mesh {axes} is one device; plan_check compares sharded decode steps")
+    check_placement(config, placement)
+    weights, tokens, num_new, rows, step, cache = decode_step_inputs(config, placement, batch, context, dtype)
+    decode = jax.jit(functools.partial(engine_step, config, Parallel(placement)), static_argnames=("mode",))
+    compiled = decode.lower(weights, tokens, num_new, rows, step, mode=SamplingMode.GREEDY, cache=cache).compile()
     memory = compiled.memory_analysis()
-    in_w, in_t, in_c = compiled.input_shardings[0]
+    (in_w, *in_host), in_kw = compiled.input_shardings
+    in_c = in_kw["cache"]
+    host = sum(sum(_per_device(x, sh).values()) for x, sh in zip((tokens, num_new, rows, step), in_host))
     return {
         "weights": _per_device(weights, in_w),
         "cache": _per_device(cache, in_c),
-        "tokens": sum(_per_device(tokens, in_t).values()),
+        "host_inputs": host,
         "argument_bytes": int(memory.argument_size_in_bytes),
         "output_bytes": int(memory.output_size_in_bytes),
         "temp_bytes": int(memory.temp_size_in_bytes),
@@ -114,7 +138,7 @@ def compare_with_xla(config: ModelConfig, name: str, work: Workload, axes: dict[
     # How many layers of the full model each compiled layer stands for.
     kind_counts = {i: (1 if whole else flags.count(flags[i])) for i in layers}
     xla = xla_decode_memory(lowered, axes, work.batch, work.context, jnp.dtype(check_dtype))
-    leaves = sum(xla["weights"].values()) + sum(xla["cache"].values()) + xla["tokens"]
+    leaves = sum(xla["weights"].values()) + sum(xla["cache"].values()) + xla["host_inputs"]
     if leaves != xla["argument_bytes"]:
         raise AssertionError(f"per-leaf bytes {leaves} differ from XLA's argument size {xla['argument_bytes']}")
     planned = evaluate(DecodeFootprint(config, name), checked, axes)

@@ -5,16 +5,18 @@
 step (one new token per row), each a ``planner.Tensor`` with logical axes, so that the planner
 sizes every one of them on any mesh with the same rules the model runs with.
 
-The transient buffers follow the code of the decode step (``transformer.forward``): a stage
-is a point of the step with the buffers live there together, the activation peak is the
-largest stage, and every stage includes the step's outputs (fp32 logits, each layer's new cache
-rows) and the per-layer buffers XLA holds for the whole step (``_held``). Checked against XLA's compiled memory analysis by ``bench/plan_vs_xla.py``; the copy
-counts below are what XLA materialised there:
+The transient buffers follow the code of the engine's decode step (``generate.engine_step``:
+``transformer.forward`` with the mesh's hand-written blocks, then sampling): a stage is a point
+of the step with the buffers live there together, the activation peak is the largest stage,
+and every stage includes the step's outputs (each layer's new cache rows) and the per-layer
+buffers XLA holds for the whole step (``_held``). Checked against XLA's compiled memory
+analysis of that step by ``bench/plan_vs_xla.py``; the copy counts below are what XLA
+materialised there:
 
-- latent attention (``mla.attend_latent``): the scores over the cached positions [B, N, S] and
-  their exponentials, two fp32 arrays split like the cache's positions (the queries are
-  gathered whole on each device instead, see ``dayzero.sharding.rules.constrain``); at another
-  point, the queries and the fp32 output of all heads;
+- latent attention (``mla_parallel.attend_latent_split``): the scores over each device's
+  cached positions [B, N, S/tp] and their exponentials, two fp32 arrays split like the cache's
+  positions (the queries are gathered whole on each device instead); at another point, the
+  queries and the fp32 output of all heads;
 - sparse attention (DeepSeek-V3.2): the indexer's per-head scores (split like the cache); the
   head-summed scores gathered whole for the top-k (two copies) with a whole mask; then the k
   picked latent rows, gathered whole on every device (two copies);
@@ -22,10 +24,13 @@ counts below are what XLA materialised there:
 - MoE (``moe.moe``): the routed rows [B*C, D] for the whole batch (the global sort by expert
   gathers every row): three copies (gathered, the loop's carry, back in pair order) beside the
   loop's output held from the start (``_held``); the current expert's three matrices (the loop
-  slices them); router scores. With ``expert`` > 1, the all_to_all dispatch buffers instead of
-  the rows. Under data parallelism XLA reused one of the copies (measured: three in all, not
+  slices them); router scores. With ``expert`` > 1 (``moe_parallel``), R = ep x capacity rows
+  [R, D] per device instead: three zeroed buffers per MoE layer held from the start (the send
+  buffer, the expert loop's output, its unsorted copy) and two in flight (received rows, their
+  sorted copy); Under data parallelism XLA reused one of the copies (measured: three in all, not
   four), so the figure is high there by one [B*C, D] buffer when the MoE stage is the peak;
-- dense MLP: three [B, F] arrays.
+- dense MLP: three [B, F] arrays;
+- output: the fp32 logits [B, V] and their log-softmax for sampling.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ SCALE_ITEMSIZE = 4
 SCORE_COPIES = 2
 REPLICATED_GQA_SCORE_COPIES = 4
 ROUTED_ROW_COPIES = 3
+HELD_DISPATCH_BUFFERS = 3
+DISPATCH_BUFFERS_IN_FLIGHT = 2
+LOGIT_COPIES = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +88,8 @@ class DecodeFootprint:
         """The decode step's stages (module docstring); each includes the step's outputs."""
         c = self.config
         B, k = work.batch, work.compute_itemsize
-        outputs = _outputs(c, B, k) + _held(c, B, k)
+        expert = mesh.get("expert", 1)
+        outputs = _outputs(c, B, k) + _held(c, B, k, expert)
         if c.mla is None:
             stages = [Stage("attention over the cache", outputs + _gqa_attention(c, work, mesh.get("tensor", 1)))]
         elif c.dsa is None:
@@ -89,10 +98,12 @@ class DecodeFootprint:
         else:
             stages = [Stage(name, outputs + tensors) for name, tensors in _sparse_attention(c, work)]
         if any(c.is_moe_layer(i) for i in range(c.num_layers)):
-            stages.append(Stage("mixture of experts", outputs + _moe(c, B, k, mesh.get("expert", 1))))
+            stages.append(Stage("mixture of experts", outputs + _moe(c, B, k, expert)))
         if not all(c.is_moe_layer(i) for i in range(c.num_layers)):
             hidden = _act("MLP hidden", (B, c.intermediate_size), ("batch", "ffw"), k, 3)
             stages.append(Stage("dense MLP", outputs + (hidden,)))
+        logits = _act("logits and log-probabilities", (B, c.vocab_size), ("batch", "vocab"), 4, LOGIT_COPIES)
+        stages.append(Stage("output and sampling", outputs + (logits,)))
         return stages
 
 
@@ -146,21 +157,27 @@ def _block_scales(name: str, shape: tuple[int, ...], axes: tuple) -> Tensor:
 
 
 def _outputs(c: ModelConfig, B: int, k: int) -> tuple[Tensor, ...]:
-    """What the step returns: fp32 logits [B,V] and every layer's new cache rows."""
+    """What the step returns: every layer's new cache rows (and a token and log-probability per row)."""
     if c.mla is not None:
         width = c.mla.kv_lora_rank + c.mla.rope_dim + (c.dsa.head_dim if c.dsa else 0)
         rows = _act("new cache rows", (B, width), ("batch", None), k, count=c.num_layers)
     else:
         rows = _act("new keys and values", (B, 2, c.num_kv_heads, c.head_dim), ("batch", None, "kv_heads", "head_dim"),
                     k, count=c.num_layers)
-    return (_act("logits", (B, c.vocab_size), ("batch", "vocab"), 4), rows)
+    return (_act("sampled tokens and log-probabilities", (B, 2), ("batch", None), 4), rows)
 
 
-def _held(c: ModelConfig, B: int, k: int) -> tuple[Tensor, ...]:
+def _dispatch_rows(c: ModelConfig, B: int, expert: int) -> int:
+    """Rows of one device's expert-parallel buffers: ep destinations x the no-drop capacity
+    (its ceil(B/ep) tokens x C experts each, ``Parallel.capacity``)."""
+    return expert * math.ceil(B / expert) * c.moe.experts_per_token
+
+
+def _held(c: ModelConfig, B: int, k: int, expert: int) -> tuple[Tensor, ...]:
     """Buffers of every layer that XLA creates at the start of the step and holds to their use
-    (they depend on the weights alone, so nothing orders them later): per MLA layer ``k_up`` and
-    ``v_up`` relaid out for the absorbed products, per MoE layer the expert loop's zeroed
-    output rows [B*C, D]."""
+    (they depend on the weights or on nothing, so nothing orders them later): per MLA layer
+    ``k_up`` and ``v_up`` relaid out for the absorbed products, per MoE layer the expert loop's
+    zeroed output rows [B*C, D] (with ``expert`` > 1: three zeroed dispatch buffers)."""
     out = []
     if c.mla is not None:
         m, N = c.mla, c.num_heads
@@ -168,9 +185,13 @@ def _held(c: ModelConfig, B: int, k: int) -> tuple[Tensor, ...]:
         out += [_act("k_up relaid out, every layer", (m.kv_lora_rank, N, m.nope_dim), axes, k, c.num_layers),
                 _act("v_up relaid out, every layer", (m.kv_lora_rank, N, m.v_head_dim), axes, k, c.num_layers)]
     moe_layers = sum(c.is_moe_layer(i) for i in range(c.num_layers))
-    if moe_layers:
+    if moe_layers and expert == 1:
         rows = (B * c.moe.experts_per_token, c.hidden_size)
         out.append(_act("expert-loop output rows, every MoE layer", rows, (None, None), k, moe_layers))
+    elif moe_layers:
+        rows = (_dispatch_rows(c, B, expert), c.hidden_size)
+        out.append(_act("zeroed dispatch buffers, every MoE layer", rows, (None, None), k,
+                        HELD_DISPATCH_BUFFERS * moe_layers))
     return tuple(out)
 
 
@@ -245,7 +266,7 @@ def _moe(c: ModelConfig, B: int, k: int, expert: int) -> tuple[Tensor, ...]:
            _act("expert weights in use", (3, D, F), (None, "embed", "ffw"), k)]
     if expert == 1:
         out.append(_act("routed rows", (B * C, D), (None, None), k, ROUTED_ROW_COPIES))
-    else:  # the all_to_all buffers of expert-parallel dispatch (no-drop capacity per destination)
-        capacity = math.ceil(B / expert) * C
-        out.append(_act("dispatch buffers", (expert, capacity, D), (None, None, None), k, 4))
+    else:  # the all_to_all buffers of expert-parallel dispatch in flight (the held ones: ``_held``)
+        out.append(_act("dispatch buffers", (_dispatch_rows(c, B, expert), D), (None, None), k,
+                        DISPATCH_BUFFERS_IN_FLIGHT))
     return tuple(out)

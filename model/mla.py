@@ -37,12 +37,6 @@ from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
 from dayzero.model.weights import MLAWeights
-from dayzero.sharding.rules import constrain
-
-# The logical layout of scores/probabilities over cached positions [B, queries, S]: split like
-# the cache's positions, so a mesh that splits both heads and positions over one axis moves the
-# small queries to the cache shard rather than the cache to every device (see ``constrain``).
-_OVER_CACHE = ("batch", None, "latent_seq")
 
 # HF builds q_a_layernorm and kv_a_layernorm with the RMSNorm default eps, not rms_norm_eps.
 LORA_NORM_EPS = 1e-6
@@ -97,6 +91,50 @@ def _per_head(mask: jax.Array, N: int) -> jax.Array:
     return jnp.broadcast_to(mask[:, :, None], (B, T, N, K)).reshape(B, T * N, K)
 
 
+# One block of keys as softmax statistics per flattened query: the score maximum m [B,M] (-inf
+# when no key is visible), l = sum_s exp(s - m) [B,M] and o = sum_s exp(s - m) row_s [B,M,C],
+# all fp32. Blocks merge exactly (``merge_blocks``), so attention over several blocks never
+# concatenates their scores, and a block split across devices merges with pmax/psum
+# (``dayzero.model.mla_parallel``).
+Stats = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def _finite(m: jax.Array) -> jax.Array:
+    # A query with no visible key has max -inf; shifting by 0 instead keeps exp() at 0, not NaN.
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def block_stats(qf: jax.Array, rows: jax.Array, mask: jax.Array, heads: int,
+                reduce_max: Callable[[jax.Array], jax.Array] = lambda m: m) -> Stats:
+    """Softmax statistics of queries ``qf`` [B,M,C] (M = T*heads) over ``rows`` [B,S,C] under
+    ``mask`` [B,T,S]. ``reduce_max`` makes the maximum a shared one (e.g. across devices)
+    before the exponentials are taken."""
+    rows = rows.astype(qf.dtype)
+    scores = jnp.einsum("bmc,bsc->bms", qf, rows, preferred_element_type=jnp.float32)
+    scores = jnp.where(_per_head(mask, heads), scores, -jnp.inf)
+    m = reduce_max(jnp.max(scores, axis=-1))
+    p = jnp.exp(scores - _finite(m)[..., None])  # masked keys: exp(-inf) = 0
+    o = jnp.einsum("bms,bsc->bmc", p.astype(qf.dtype), rows, preferred_element_type=jnp.float32)
+    return m, jnp.sum(p, axis=-1), o
+
+
+def merge_blocks(a: Stats, b: Stats) -> Stats:
+    """The statistics of two blocks of keys together, each rescaled to the shared maximum."""
+    top = jnp.maximum(a[0], b[0])
+    merged_l, merged_o = 0.0, 0.0
+    for m, l, o in (a, b):
+        scale = jnp.exp(m - _finite(top))  # 0 for a block with no visible key
+        merged_l, merged_o = merged_l + l * scale, merged_o + o * scale[..., None]
+    return top, merged_l, merged_o
+
+
+def normalised(stats: Stats, shape: tuple[int, ...], dtype) -> jax.Array:
+    """The attention output o / l reshaped to ``shape``; zero for a query with no visible key."""
+    _, l, o = stats
+    out = o / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.astype(dtype).reshape(shape)
+
+
 def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
                   masks: tuple[jax.Array | None, jax.Array]) -> jax.Array:
     """Softmax attention of absorbed queries ``q`` [B,T,N,C] over latent rows -> [B,T,N,C].
@@ -107,39 +145,17 @@ def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
     The value product runs over all C columns and drops the rope ones afterwards: slicing the
     cache first would copy it, and the R extra columns cost only R/L more work.
 
-    The softmax treats the cached and the new keys as two blocks with one shared maximum and
-    one denominator, applied after the value products, so the cached scores are never
-    concatenated to the new ones: on a mesh that splits the cache's positions they stay split
-    like the cache (``_OVER_CACHE``), and only per-query maxima, sums and outputs cross devices.
+    The cached and the new keys are two blocks (``block_stats``) merged before one
+    normalisation, so the cache's scores are never copied into a concatenation with the new
+    ones; ``dayzero.model.mla_parallel`` computes the cached block split across devices.
     """
     B, T, N, C = q.shape
     qf = q.reshape(B, T * N, C)
     mask_cached, mask_new = masks
-
-    def masked_scores(rows: jax.Array, mask: jax.Array) -> jax.Array:
-        scores = jnp.einsum("bmc,bsc->bms", qf, rows, preferred_element_type=jnp.float32)
-        return jnp.where(_per_head(mask, N), scores, -jnp.inf)
-
-    def value_product(weights: jax.Array, rows: jax.Array) -> jax.Array:
-        return jnp.einsum("bms,bsc->bmc", weights.astype(q.dtype), rows, preferred_element_type=jnp.float32)
-
-    s_new = masked_scores(new, mask_new)
-    top = jnp.max(s_new, axis=-1, keepdims=True)
+    stats = block_stats(qf, new, mask_new, N)
     if cache is not None:
-        cache = cache.astype(q.dtype)
-        s_cached = constrain(masked_scores(cache, mask_cached), _OVER_CACHE)
-        top = jnp.maximum(top, jnp.max(s_cached, axis=-1, keepdims=True))
-    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a query with no visible key (padding row)
-    w_new = jnp.exp(s_new - top)  # masked keys: exp(-inf) = 0
-    total = jnp.sum(w_new, axis=-1, keepdims=True)
-    out = value_product(w_new, new)
-    if cache is not None:
-        w_cached = constrain(jnp.exp(s_cached - top), _OVER_CACHE)
-        total += jnp.sum(w_cached, axis=-1, keepdims=True)
-        out += value_product(w_cached, cache)
-    # Zero for a query with no visible key, as the concatenated softmax's masked form gave.
-    out = out / jnp.where(total > 0, total, 1.0)
-    return out.astype(q.dtype).reshape(B, T, N, C)
+        stats = merge_blocks(block_stats(qf, cache, mask_cached, N), stats)
+    return normalised(stats, q.shape, q.dtype)
 
 
 def attend_gathered(q: jax.Array, cache: jax.Array, new: jax.Array, mask_new: jax.Array,
@@ -172,8 +188,9 @@ def attend_gathered(q: jax.Array, cache: jax.Array, new: jax.Array, mask_new: ja
 
 def _sparse_attention(w: MLAWeights, config: ModelConfig, x: jax.Array, q_lora: jax.Array, q_cat: jax.Array,
                       cos_sin, layer_cache: tuple[jax.Array, jax.Array] | None, new: jax.Array,
-                      new_keys: jax.Array, masks) -> jax.Array:
-    """DSA: the indexer picks each query's tokens, latent attention reads only those."""
+                      new_keys: jax.Array, masks, attend: Callable) -> jax.Array:
+    """DSA: the indexer picks each query's tokens, latent attention reads only those (``attend``:
+    the dense latent attention, used with narrowed masks when scanning beats gathering)."""
     latent_cache, key_cache = (None, None) if layer_cache is None else layer_cache
     indices, visible = dsa.select(w.indexer, config, x, q_lora, cos_sin, key_cache, new_keys, masks)
     T, k = indices.shape[1], indices.shape[2]
@@ -182,7 +199,7 @@ def _sparse_attention(w: MLAWeights, config: ModelConfig, x: jax.Array, q_lora: 
     # the first k tokens); else narrow the dense masks (prefill, or a context of <= k tokens).
     if latent_cache is not None and T * k < S + T:
         return attend_gathered(q_cat, latent_cache, new, masks[1], indices, visible)
-    return attend_latent(q_cat, latent_cache, new, dsa.selection_masks(indices, visible, masks))
+    return attend(q_cat, latent_cache, new, dsa.selection_masks(indices, visible, masks))
 
 
 def mla_block(
@@ -200,7 +217,7 @@ def mla_block(
     Returns the output [B,T,D] and what ``append_to_cache`` adds, in the same order: the new
     latent rows [B,T,L+R] (and indexer keys [B,T,J]). ``attend``: dense latent attention with
     ``attend_latent``'s signature (``dayzero.model.mla_parallel`` swaps in a version for a
-    cache split over devices); sparse attention keeps its own.
+    cache split over devices); sparse attention uses it where it scans the cache densely.
     """
     m = config.mla
     q, q_lora = _queries(w, x)
@@ -214,7 +231,8 @@ def mla_block(
     else:
         new_keys = dsa.index_keys(w.indexer, config, x, cos_sin)
         added = (new, new_keys)
-        attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys, masks)
+        attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys, masks,
+                                     attend)
     out_latent = attended[..., : m.kv_lora_rank]
     out = jnp.einsum("btnl,lnv->btnv", out_latent, w.v_up)  # v_up applied after attention
     B, T, N, V = out.shape

@@ -11,8 +11,8 @@ implements it) lists the weights, the cache and the decode step's transient buff
 package imports nothing from ``dayzero.model`` (see DESIGN.md), so the footprint is passed in.
 
 Mesh choice (:func:`plan`): every data x tensor x expert factorisation of the device count that
-the rules can run (expert > 1 uses ``tensor_expert_parallel``, data > 1 ``data_tensor``, else
-``tensor_parallel``; data and expert together have no rules table) is evaluated. The
+the rules can run is evaluated, each with the rules the engine uses on it
+(``dayzero.sharding.placement.rules_for_mesh``; data and expert together have no rules table). The
 recommendation is, among the meshes that fit, the one with the most data parallelism the batch
 allows (data replicas decode their own rows and never talk to each other), then the most free
 memory per device (room for more rows or context). :data:`RULE` states it for the output.
@@ -27,7 +27,8 @@ import re
 from typing import Protocol
 
 from dayzero.sharding import rules as R
-from dayzero.sharding.distributed import MESH_AXES
+from dayzero.sharding.distributed import MESH_AXES, MeshError
+from dayzero.sharding.placement import rules_for_mesh
 
 RULE = (
     "among meshes that fit, the most data parallelism the batch allows (replicas decode "
@@ -157,18 +158,6 @@ class _MeshShape:
         self.shape = {a: int(axes.get(a, 1)) for a in MESH_AXES}
 
 
-def strategy_for(axes: dict[str, int]) -> R.Rules:
-    """The rules a mesh of these sizes runs with (expert > 1: tensor+expert; data > 1: data x
-    tensor; else tensor parallel)."""
-    if axes.get("data", 1) > 1 and axes.get("expert", 1) > 1:
-        raise PlanError(f"mesh {_mesh_text(axes)} combines data and expert, which no rules table supports")
-    if axes.get("expert", 1) > 1:
-        return R.tensor_expert_parallel()
-    if axes.get("data", 1) > 1:
-        return R.data_tensor()
-    return R.tensor_parallel()
-
-
 def local_shape(t: Tensor, rules: R.Rules, axes: dict[str, int]) -> tuple[int, ...]:
     """The shape of ``t``'s piece on one device."""
     mesh = _MeshShape(axes)
@@ -226,7 +215,10 @@ class MeshPlan:
 def evaluate(model: Footprint, work: Workload, axes: dict[str, int]) -> MeshPlan:
     """Per-device bytes of ``model`` under ``work`` on a mesh of these axis sizes."""
     axes = {a: int(axes.get(a, 1)) for a in MESH_AXES}
-    rules = strategy_for(axes)
+    try:
+        rules = rules_for_mesh(axes)  # the rules the engine runs this mesh with
+    except MeshError as e:
+        raise PlanError(str(e)) from None
     totals = {c.value: 0 for c in Component}
     for t in model.weights(work) + model.cache(work):
         totals[t.component.value] += device_bytes(t, rules, axes)

@@ -13,12 +13,10 @@ trees are walked by duck type (a leaf with ``shape`` and ``axes``), which is exa
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import math
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -165,41 +163,6 @@ def weight_shardings(specs: Any, rules: Rules, mesh: Mesh) -> Any:
         specs,
         is_leaf=_is_param_spec,
     )
-
-
-# The rules and mesh that ``constrain`` pins activations to while a sharded step is traced.
-_ACTIVATION_SHARDING: contextvars.ContextVar[tuple[Rules, Any] | None] = contextvars.ContextVar(
-    "dayzero_activation_sharding", default=None
-)
-
-
-@contextlib.contextmanager
-def activation_sharding(rules: Rules, mesh: Mesh) -> Iterator[None]:
-    """While tracing inside this context, :func:`constrain` lays activations out by ``rules`` on ``mesh``.
-
-    Wrap the first call (or ``.lower``) of a jitted step over sharded arrays in it. jit caches
-    the trace, so a function traced outside the context keeps its unconstrained form.
-    """
-    token = _ACTIVATION_SHARDING.set((rules, mesh))
-    try:
-        yield
-    finally:
-        _ACTIVATION_SHARDING.reset(token)
-
-
-def constrain(x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    """``x`` laid out by its logical ``axes`` under the active :func:`activation_sharding`, else ``x``.
-
-    Model code calls this where XLA's own choice is costly: e.g. the scores of queries (split by
-    head) against a latent cache (split by position) both want ``tensor``, and left alone XLA
-    gathers the whole cache of every layer onto every device; pinned to the cache's split, only
-    the small queries move.
-    """
-    active = _ACTIVATION_SHARDING.get()
-    if active is None:
-        return x
-    rules, mesh = active
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec_for(axes, rules, mesh, x.shape)))
 
 
 def make_mesh(axes: Mapping[str, int], devices: list | None = None) -> Mesh:

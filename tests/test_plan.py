@@ -17,8 +17,8 @@ from dayzero.model.hf_config import load_hf_config
 from dayzero.model.presets import PRESETS, load_preset, preset_hf_config
 from dayzero.sharding.planner import (
     Component, KVDtype, PlanError, Tensor, WeightDtype, Workload, device_bytes, evaluate, parse_size, plan,
-    strategy_for,
 )
+from dayzero.sharding.placement import rules_for_mesh
 
 GiB = 1 << 30
 
@@ -90,10 +90,10 @@ def test_fp8_weights_and_one_byte_kv_count_their_scales():
 
 def test_split_dimensions_follow_the_rules():
     t = Tensor("w", (8, 10, 6), ("experts", "embed", "ffw"), 2, Component.WEIGHTS)
-    rules = strategy_for({"tensor": 2, "expert": 4})
+    rules = rules_for_mesh({"tensor": 2, "expert": 4})
     assert device_bytes(t, rules, {"tensor": 2, "expert": 4}) == 2 * 10 * 3 * 2
     # A dimension its mesh axis does not divide stays whole (as spec_for decides).
-    assert device_bytes(t, strategy_for({"tensor": 4}), {"tensor": 4}) == 8 * 10 * 6 * 2
+    assert device_bytes(t, rules_for_mesh({"tensor": 4}), {"tensor": 4}) == 8 * 10 * 6 * 2
 
 
 def test_data_parallelism_is_preferred_when_it_fits_and_advice_when_nothing_does():
@@ -157,6 +157,7 @@ def test_cli_text_and_not_fitting_exit_status(capsys):
     (["--preset", "kimi-k2", "--device-memory", "lots"], ["'lots' is not a size", "80GiB"]),
     (["--preset", "kimi-k2", "--mesh", "tensor=3"], ["has 3 devices, not 64"]),
     (["--preset", "kimi-k2", "--batch", 0], ["batch must be at least 1"]),
+    (["--preset", "kimi-k2", "--mesh", "data=2,expert=32", "--batch", 2], ["data=2 x expert=32 is not supported"]),
     (["--config", "/nonexistent/dir"], ["no config.json"]),
 ])
 def test_cli_errors_are_one_sentence(argv, fragments, capsys):
@@ -175,7 +176,9 @@ def test_cli_errors_are_one_sentence(argv, fragments, capsys):
 # ---- against XLA ---------------------------------------------------------------------------------
 
 # Scaled-down models of the three attention kinds, with MoE layers behind a dense one, checked on
-# 64 faked CPU devices in a fresh interpreter (the device count is fixed when jax starts).
+# 64 faked CPU devices in a fresh interpreter (the device count is fixed when jax starts); the
+# last case splits the experts (expert-parallel dispatch) at a short context, where MoE buffers
+# are a large part of the step.
 XLA_SCRIPT = r"""
 import dataclasses, json
 from dayzero.engine.plan_check import compare_with_xla
@@ -192,7 +195,8 @@ llama = {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "interme
          "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 8}
 cases = [("mla", deepseek, {"data": 4, "tensor": 16}, 8, 262144),
          ("dsa", sparse, {"tensor": 64}, 8, 262144),
-         ("gqa", llama, {"data": 8, "tensor": 8}, 64, 32768)]
+         ("gqa", llama, {"data": 8, "tensor": 8}, 64, 32768),
+         ("mla-ep", deepseek, {"tensor": 8, "expert": 8}, 64, 1024)]
 out = {}
 for name, raw, mesh, batch, context in cases:
     work = Workload(64, 80 << 30, WeightDtype.FLOAT32, KVDtype.FLOAT32, batch, context)
@@ -216,15 +220,16 @@ def test_planner_agrees_with_xla_memory_analysis_on_64_devices():
         assert abs(rows["total"]["ratio"] - 1) < 0.1, (name, rows)
 
 
-# ---- the layout hint the planner relies on ------------------------------------------------------
+# ---- the split latent attention the checked step runs -------------------------------------------
 
 SHARDED_MLA_SCRIPT = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from dayzero.model.hf_config import parse_hf_config
+from dayzero.model.parallel import Parallel
 from dayzero.model.transformer import cache_specs, forward, init_cache
 from dayzero.model.weights import abstract_weights, init_weights
-from dayzero.sharding import rules as R
+from dayzero.sharding.placement import placement_for
 
 raw = {"model_type": "deepseek_v32", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
        "moe_intermediate_size": 32, "num_hidden_layers": 1, "first_k_dense_replace": 1,
@@ -232,9 +237,11 @@ raw = {"model_type": "deepseek_v32", "vocab_size": 512, "hidden_size": 64, "inte
        "q_lora_rank": 32, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
        "index_topk": 16, "index_n_heads": 16, "index_head_dim": 32}
 out = {}
-for name, extra in (("mla", {"model_type": "deepseek_v3"}), ("dsa", {})):
-    config = parse_hf_config({k: v for k, v in {**raw, **extra}.items()
-                              if extra == {} or not k.startswith("index_")})
+# dsa-scan: a top-k above the 33 visible rows, so sparse attention scans the split cache densely.
+for name, extra in (("mla", {"model_type": "deepseek_v3"}), ("dsa", {}), ("dsa-scan", {"index_topk": 64})):
+    merged = {**raw, **extra}
+    config = parse_hf_config({k: v for k, v in merged.items()
+                              if merged["model_type"] == "deepseek_v32" or not k.startswith("index_")})
     specs = abstract_weights(config)
     weights = init_weights(specs, jax.random.key(0), scale=0.1)
     token = jax.random.randint(jax.random.key(1), (2, 1), 0, config.vocab_size)
@@ -246,23 +253,22 @@ for name, extra in (("mla", {"model_type": "deepseek_v3"}), ("dsa", {})):
                           lengths=jnp.array([23, 17], jnp.int32), rope_len=jnp.int32(23))
     decode = jax.jit(lambda w, c, t: forward(w, config, t, c)[0])
     ref = np.asarray(decode(weights, cache, token))
-    mesh = R.make_mesh({"tensor": 8})
-    rules = R.tensor_parallel()
-    sharded_cache = jax.device_put(cache, R.weight_shardings(cache_specs(config, 2, 32), rules, mesh))
-    sharded = jax.device_put(weights, R.weight_shardings(specs, rules, mesh))
-    with R.activation_sharding(rules, mesh):
-        got = np.asarray(jax.jit(lambda w, c, t: forward(w, config, t, c)[0])(sharded, sharded_cache, token))
+    placement = placement_for({"tensor": 8})
+    sharded_cache = jax.device_put(cache, placement.shardings(cache_specs(config, 2, 32)))
+    sharded = jax.device_put(weights, placement.shardings(specs))
+    par = Parallel(placement)
+    got = np.asarray(jax.jit(lambda w, c, t: forward(w, config, t, c, parallel=par)[0])(sharded, sharded_cache, token))
     out[name] = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
 print(json.dumps(out))
 """
 
 
 def test_latent_attention_over_a_position_split_cache_matches_one_device():
-    """With the cache's positions split over tensor and the scores pinned to that split
-    (``activation_sharding``), decode gives the one-device logits, dense and sparse."""
+    """With the cache's positions split over tensor (``mla_parallel`` in the forward pass, as the
+    engine runs it), decode gives the one-device logits, dense and sparse."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SHARDED_MLA_SCRIPT], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     errors = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert errors["mla"] < 1e-5 and errors["dsa"] < 1e-5, errors
+    assert set(errors) == {"mla", "dsa", "dsa-scan"} and max(errors.values()) < 1e-5, errors
