@@ -13,8 +13,9 @@ attention's latent rows [P, page_size, C] and, with sparse attention, the indexe
 
 The caches here have the interface ``transformer.forward`` reads (``lengths``, ``rope_len``,
 ``max_len``, ``layer(i)``): ``layer(i)`` gathers each row's pages into the contiguous view the
-attention blocks take (K [B,K,H,S], V [B,K,S,H]; latent [B,S,C]) with S = the table's width
-times the page size. That gather is the reference path; a paged kernel reads the pages in place.
+attention blocks take (K and V [B,K,S,H], keys token-major unlike the contiguous cache; latent
+[B,S,C]) with S = the table's width times the page size. That gather is the reference path; a
+paged kernel reads the pages in place.
 ``append_to_pages`` writes what ``forward`` returns into the pages (jit it apart from
 ``forward``, with the cache donated, for the reason the transformer module docstring gives).
 """
@@ -54,15 +55,37 @@ class PagedKVCache:
         """S, the positions each row's table can address."""
         return self.block_tables.shape[1] * self.page_size
 
+    # The gathered keys stay token-major [B,K,S,H] (see ``layer``).
+    keys_token_major = True
+
     def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """Layer ``i``'s keys [B,K,H,S] and values [B,K,S,H], gathered from the pages."""
-        B, W = self.block_tables.shape
-        k = self.k_pages[i][:, self.block_tables]  # [K, B, W, page, H]
-        v = self.v_pages[i][:, self.block_tables]
-        K, H = k.shape[0], k.shape[-1]
-        k = k.transpose(1, 0, 4, 2, 3).reshape(B, K, H, W * self.page_size)
-        v = v.transpose(1, 0, 2, 3, 4).reshape(B, K, W * self.page_size, H)
-        return k, v
+        """Layer ``i``'s keys and values, both [B,K,S,H], gathered from the pages.
+
+        Keys are not transposed to the contiguous cache's [B,K,H,S]: on XLA:CPU that transpose of
+        the gathered copy cost more than the whole attention (``attend`` reads them token-major).
+        """
+        return _gather_pages(self.k_pages[i], self.block_tables), _gather_pages(self.v_pages[i], self.block_tables)
+
+
+def _gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Each row's pages, in table order: [K,P,page,H] -> [B,K,W*page,H], or [P,page,C] -> [B,W*page,C].
+
+    One gather of whole pages (rows of page*H values), already in the output's order, so the
+    result needs no transpose. Table entries are valid page ids by construction.
+    """
+    B, W = block_tables.shape
+    if pages.ndim == 3:
+        P, page, C = pages.shape
+        return _gather_rows(pages.reshape(P, page * C), block_tables.reshape(-1)).reshape(B, W * page, C)
+    K, P, page, H = pages.shape
+    rows = jnp.arange(K, dtype=block_tables.dtype)[None, :, None] * P + block_tables[:, None, :]
+    return _gather_rows(pages.reshape(K * P, page * H), rows.reshape(-1)).reshape(B, K, W * page, H)
+
+
+def _gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
+    """``table[rows]`` for in-bounds ``rows``: a plain row gather (unsigned indices need no
+    wrap-around of negative ones, which XLA:CPU would otherwise compute for every element)."""
+    return table.at[rows.astype(jnp.uint32)].get(mode="promise_in_bounds")
 
 
 @struct.dataclass
@@ -87,15 +110,12 @@ class PagedLatentCache:
         """S, the positions each row's table can address."""
         return self.block_tables.shape[1] * self.page_size
 
-    def _gather(self, pages: jax.Array) -> jax.Array:
-        B, W = self.block_tables.shape
-        return pages[self.block_tables].reshape(B, W * self.page_size, pages.shape[-1])
-
     def layer(self, i: int) -> tuple[jax.Array, ...]:
         """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages."""
+        latent = _gather_pages(self.latent_pages[i], self.block_tables)
         if self.index_key_pages is None:
-            return (self._gather(self.latent_pages[i]),)
-        return self._gather(self.latent_pages[i]), self._gather(self.index_key_pages[i])
+            return (latent,)
+        return latent, _gather_pages(self.index_key_pages[i], self.block_tables)
 
 
 def init_paged_cache(
