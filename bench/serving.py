@@ -10,7 +10,7 @@ width, and KV memory for a long context against the contiguous cache.
    Compilation is done before timing (``warmup``, or a first request).
 2. Decode step time against the block-table width (the reference path gathers and attends over
    every page of the table, so the width, not the context used, sets the cost): one decode step
-   of 8 slots at each ``--widths`` pages.
+   of 8 slots at each ``--widths`` pages, and of the contiguous cache at the same length.
 3. Memory for one ``--long``-token prompt (+16 tokens), each engine in its own process: KV bytes
    allocated (the contiguous cache is a power-of-two bucket of the length; the pool is sized to
    the request's pages here) and the process's peak RSS.
@@ -27,6 +27,8 @@ import subprocess
 import sys
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.bench import kv_cache_bytes
@@ -34,6 +36,7 @@ from dayzero.engine.generate import Engine, cache_length
 from dayzero.engine.measure import bench_prompt, peak_rss_mb
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
+from dayzero.model.transformer import append_to_cache, forward, init_cache
 
 PAGE = 16
 LONG_NEW = 16
@@ -78,22 +81,41 @@ def throughput(engine: Engine, requests: int, prompt_len: int, new_tokens: int) 
 
 
 def width_sweep(engine: Engine, widths: list[int], slots: int = 8, steps: int = 5) -> dict:
-    """Median decode step (forward + page write) ms at each table width, rows nearly full."""
+    """Median decode step (forward + cache write) ms of ``slots`` rows nearly full, at each table
+    width of the paged cache and at the same length of the contiguous cache."""
     config = ServingConfig(slots=slots, page_size=PAGE, max_context=max(widths) * PAGE, max_chunk=16,
                            num_pages=max(widths))
     server = ServingEngine(engine, config)
     tables = np.tile(np.arange(config.max_table_pages, dtype=np.int32) % config.num_pages, (slots, 1))
     tokens, ones = np.ones((slots, 1), np.int32), np.ones(slots, np.int32)
+    step = jax.jit(lambda w, t, n, cache: forward(w, engine.config, t, cache, n))
+    append = jax.jit(append_to_cache, donate_argnums=(0,))
     out = {}
     for width in widths:
-        lengths = np.full(slots, width * PAGE - 1, np.int32)
-        times = []
-        for _ in range(steps + 1):
-            start = time.perf_counter()
-            np.asarray(server.steps.run(tokens, ones, lengths, tables, width))
-            times.append(time.perf_counter() - start)
-        out[width * PAGE] = 1e3 * statistics.median(times[1:])  # the first call compiles
+        length = width * PAGE - 1
+        lengths = np.full(slots, length, np.int32)
+        paged = lambda: np.asarray(server.steps.run(tokens, ones, lengths, tables, width))  # noqa: E731
+        cache = [init_cache(engine.config, slots, width * PAGE, engine.weights.embed.dtype).replace(
+            lengths=jnp.full((slots,), length, jnp.int32))]
+
+        def contiguous():
+            logits, new = step(engine.weights, jnp.asarray(tokens), jnp.asarray(ones), cache[0])
+            cache[0] = append(cache[0], new).replace(lengths=jnp.full((slots,), length, jnp.int32))
+            np.asarray(logits)
+
+        out[width * PAGE] = {name: _median_ms(fn, steps) for name, fn in (("paged", paged), ("contiguous", contiguous))}
+        del cache[0]
     return out
+
+
+def _median_ms(fn, steps: int) -> float:
+    fn()  # compiles
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def memory(model: str | None, kind: str, length: int) -> dict:
@@ -139,14 +161,19 @@ def main() -> None:
         return
     skip = set(args.skip.split(","))
     result = {}
+
+    def report(name: str, value: dict) -> None:  # each section as it ends: a long run keeps what it measured
+        result[name] = value
+        print(json.dumps({name: value}), file=sys.stderr, flush=True)
+
     if not {"throughput", "widths"} <= skip:
         engine = Engine.load(args.model, progress=False)
         if "throughput" not in skip:
-            result["throughput"] = throughput(engine, args.requests, args.prompt_len, args.new_tokens)
+            report("throughput", throughput(engine, args.requests, args.prompt_len, args.new_tokens))
         if "widths" not in skip:
-            result["decode_ms_by_context"] = width_sweep(engine, [int(w) for w in args.widths.split(",")])
+            report("decode_ms_by_context", width_sweep(engine, [int(w) for w in args.widths.split(",")]))
     if "memory" not in skip:
-        result["memory"] = {kind: _memory_in_subprocess(args, kind) for kind in ("contiguous", "paged")}
+        report("memory", {kind: _memory_in_subprocess(args, kind) for kind in ("contiguous", "paged")})
     print(json.dumps(result, indent=None if args.json else 2))
 
 

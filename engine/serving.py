@@ -97,6 +97,7 @@ class _Request:
 
     @property
     def prefilling(self) -> bool:
+        """Prefill chunks are still to run (else the request decodes)."""
         return self.computed < self.prefill_target
 
 
@@ -124,6 +125,12 @@ class ServingEngine:
                logprobs: bool = False) -> int:
         """Queue one request (text or token ids); returns its id. Validation as ``Engine.generate``,
         plus the serving limits (``max_context``)."""
+        request = self._request(prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs)
+        self._waiting.append(request)
+        return request.id
+
+    def _request(self, prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs) -> _Request:
+        """A validated request (raises :class:`GenerationError` naming the bad value)."""
         if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise GenerationError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
         if not isinstance(sampling, SamplingParams):
@@ -135,9 +142,7 @@ class ServingEngine:
                 f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}, more than "
                 f"this server's max_context of {self.config.max_context}; shorten the request or "
                 "raise max_context")
-        request = _Request(next(self._ids), list(ids), max_new_tokens, sampling, ignore_eos, logprobs, list(ids))
-        self._waiting.append(request)
-        return request.id
+        return _Request(next(self._ids), list(ids), max_new_tokens, sampling, ignore_eos, logprobs, list(ids))
 
     @property
     def has_work(self) -> bool:
@@ -153,8 +158,11 @@ class ServingEngine:
             yield from self.step()
 
     def completion(self, request_id: int) -> Completion:
-        """The finished request ``request_id`` (raises ``KeyError`` if it has not finished)."""
-        r = self._finished[request_id]
+        """The finished request ``request_id``, handed over once (the server then forgets it).
+
+        Raises ``KeyError`` if it has not finished or was already taken.
+        """
+        r = self._finished.pop(request_id)
         tok = self.engine.tokenizer
         generated = r.tokens[len(r.prompt):]
         return Completion(text=tok.decode(generated) if tok else "", prompt_ids=list(r.prompt),
@@ -171,8 +179,10 @@ class ServingEngine:
         params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
         if len(news) != n or len(params) != n:
             raise GenerationError(f"{len(news)} max_new_tokens and {len(params)} sampling settings for {n} prompts")
-        ids = [self.submit(p, max_new_tokens=m, sampling=s, chat=chat, ignore_eos=ignore_eos, logprobs=logprobs)
-               for p, m, s in zip(prompts, news, params)]
+        # All validated before any is queued: a bad one leaves nothing half-submitted.
+        requests = [self._request(p, m, s, chat, ignore_eos, logprobs) for p, m, s in zip(prompts, news, params)]
+        self._waiting.extend(requests)
+        ids = [r.id for r in requests]
         for _ in self.stream():
             pass
         return [self.completion(i) for i in ids]
@@ -189,12 +199,12 @@ class ServingEngine:
         self._admit()
         decoding = self._grow_decoding()
         events = []
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.in_use)
         prefill = min((r for r in self._running() if r.prefilling), key=lambda r: r.admitted, default=None)
         if prefill is not None:
             events += self._prefill_chunk(prefill)
         if decoding:
             events += self._decode(decoding)
-        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.in_use)
         return events
 
     def _running(self) -> list[_Request]:

@@ -58,13 +58,29 @@ class PagedKVCache:
     # The gathered keys stay token-major [B,K,S,H] (see ``layer``).
     keys_token_major = True
 
-    def layer(self, i: int) -> tuple[jax.Array, jax.Array]:
-        """Layer ``i``'s keys and values, both [B,K,S,H], gathered from the pages.
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Layer ``i``'s keys and values, both [B,K,S,H], gathered from the pages once ``after``
+        (the layer's input) is computed.
 
         Keys are not transposed to the contiguous cache's [B,K,H,S]: on XLA:CPU that transpose of
         the gathered copy cost more than the whole attention (``attend`` reads them token-major).
         """
-        return _gather_pages(self.k_pages[i], self.block_tables), _gather_pages(self.v_pages[i], self.block_tables)
+        tables = _after(self.block_tables, after)
+        return _gather_pages(self.k_pages[i], tables), _gather_pages(self.v_pages[i], tables)
+
+
+def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
+    """``block_tables`` unchanged, but computed from ``after`` too.
+
+    Without a data dependency XLA gathers every layer's pages at the start of the step, so
+    that a copy of the whole context of every row is live at once (measured: temp memory
+    growing with the number of layers); ``optimization_barrier`` does not order it on XLA:CPU.
+    min(t, t + flag) with flag in {0, 1} is t, and no simplifier folds it away.
+    """
+    if after is None:
+        return block_tables
+    flag = jnp.isnan(after.reshape(-1)[0]).astype(block_tables.dtype)
+    return jnp.minimum(block_tables, block_tables + flag)
 
 
 def _gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
@@ -110,12 +126,14 @@ class PagedLatentCache:
         """S, the positions each row's table can address."""
         return self.block_tables.shape[1] * self.page_size
 
-    def layer(self, i: int) -> tuple[jax.Array, ...]:
-        """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages."""
-        latent = _gather_pages(self.latent_pages[i], self.block_tables)
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages
+        once ``after`` (the layer's input) is computed."""
+        tables = _after(self.block_tables, after)
+        latent = _gather_pages(self.latent_pages[i], tables)
         if self.index_key_pages is None:
             return (latent,)
-        return latent, _gather_pages(self.index_key_pages[i], self.block_tables)
+        return latent, _gather_pages(self.index_key_pages[i], tables)
 
 
 def init_paged_cache(

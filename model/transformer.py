@@ -55,8 +55,13 @@ class KVCache:
         """S, the number of positions each row can hold."""
         return self.v[0].shape[2]
 
-    def layer(self, i: int) -> tuple[jax.Array, ...]:
-        """Layer ``i``'s cached arrays, as its attention block takes them."""
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them.
+
+        ``after``: the layer's input activations. A cache that builds the arrays (the paged
+        cache gathers them) builds them only once ``after`` exists, so that the views of all
+        layers are not live at once; this one ignores it.
+        """
         return self.k[i], self.v[i]
 
 
@@ -84,8 +89,9 @@ class LatentCache:
         """S, the number of positions each row can hold."""
         return self.latent[0].shape[1]
 
-    def layer(self, i: int) -> tuple[jax.Array, ...]:
-        """Layer ``i``'s cached arrays, as its attention block takes them."""
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them (``after`` as
+        :meth:`KVCache.layer`'s, ignored here)."""
         return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
 
 
@@ -316,7 +322,7 @@ def forward(
     new = []  # per layer, what it adds to the cache
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
-        layer_cache = None if cache is None else cache.layer(i)
+        layer_cache = None if cache is None else cache.layer(i, after=x)
         x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, token_major)
         new.append(added)
         if hidden_out is not None:

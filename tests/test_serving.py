@@ -168,6 +168,26 @@ def test_bad_requests_are_refused_at_submit(server, kwargs, text):
         server.submit(**kwargs)
 
 
+@pytest.mark.parametrize("budget", [1 << 10, 1 << 12])
+def test_warmup_covers_every_chunk_shape(tiny_model, budget):
+    """Every (chunk, table width) the scheduler can ask for is among those warm-up compiles."""
+    config = dataclasses.replace(SERVING, chunk_budget=budget).resolve(tiny_model.config)
+    shapes = set(config.prefill_shapes())
+    for start in range(config.max_context):
+        for remaining in range(1, config.max_context - start + 1):
+            T, W = config.chunk_shape(start, remaining)
+            assert (T, W) in shapes, (start, remaining)
+            assert W is None or config.pages_for(start + min(T, remaining)) <= W  # the table holds the chunk
+    # Under the small budget a 32-token chunk never reads a 16-page (128-position) table.
+    assert ((32, 16) in shapes) == (budget >= 32 * 16 * PAGE)
+
+
+def test_run_with_a_bad_prompt_queues_nothing(server):
+    with pytest.raises(GenerationError, match="999"):
+        server.run([PROMPTS[0], [1, 999]], max_new_tokens=3)
+    assert not server.has_work
+
+
 @pytest.mark.parametrize(
     "kwargs, text",
     [
