@@ -13,7 +13,8 @@ width, and KV memory for a long context against the contiguous cache.
    of 8 slots at each ``--widths`` pages, and of the contiguous cache at the same length.
 3. Memory for one ``--long``-token prompt (+16 tokens), each engine in its own process: KV bytes
    allocated (the contiguous cache is a power-of-two bucket of the length; the pool is sized to
-   the request's pages here) and the process's peak RSS.
+   the request's pages here) and the peak RSS of the generation; and, from shapes alone, the KV
+   bytes of a batch mixing that long prompt with ``--requests - 1`` short ones.
 
 Default model: the embedded SmolLM2-135M (set DAYZERO_CACHE to reuse a converted copy).
 """
@@ -33,7 +34,7 @@ import numpy as np
 
 from dayzero.engine.bench import kv_cache_bytes
 from dayzero.engine.generate import Engine, cache_length
-from dayzero.engine.measure import bench_prompt, peak_rss_mb
+from dayzero.engine.measure import bench_prompt
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
 from dayzero.model.transformer import append_to_cache, forward, init_cache
@@ -119,22 +120,55 @@ def _median_ms(fn, steps: int) -> float:
 
 
 def memory(model: str | None, kind: str, length: int) -> dict:
-    """KV bytes and peak RSS of one ``length``-token prompt (+16 new tokens) in this process."""
+    """KV bytes and RSS of one ``length``-token prompt (+16 new tokens) in this process: RSS
+    after loading the model, and the peak after that (Linux: the high-water mark is reset once
+    the model is loaded, so the figure is the generation's own peak)."""
     engine = Engine.load(model, progress=False)
     prompt = bench_prompt(engine.config.vocab_size, length, 1, engine.eos_ids)[0]
     dtype = engine.weights.embed.dtype
+    loaded = _reset_peak_rss()
     if kind == "contiguous":
         engine.generate(prompt, max_new_tokens=LONG_NEW, ignore_eos=True)
-        kv = kv_cache_bytes(engine.config, 1, cache_length(length, LONG_NEW), dtype)
-        return {"kv_allocated_mb": kv / 2**20, "peak_rss_mb": peak_rss_mb()}
-    config = ServingConfig(slots=1, page_size=PAGE, max_context=length + LONG_NEW, num_pages=_pages(length + LONG_NEW))
-    server = ServingEngine(engine, config)
-    server.run([prompt], max_new_tokens=LONG_NEW, ignore_eos=True)
-    page_bytes = server.steps.kv_bytes / config.num_pages
-    return {"kv_allocated_mb": server.steps.kv_bytes / 2**20,
-            "kv_peak_in_use_mb": server.stats.peak_pages * page_bytes / 2**20,
-            "contiguous_equivalent_mb": kv_cache_bytes(engine.config, 1, length + LONG_NEW, dtype) / 2**20,
-            "peak_rss_mb": peak_rss_mb()}
+        out = {"kv_allocated_mb": kv_cache_bytes(engine.config, 1, cache_length(length, LONG_NEW), dtype) / 2**20}
+    else:
+        config = ServingConfig(slots=1, page_size=PAGE, max_context=length + LONG_NEW,
+                               num_pages=_pages(length + LONG_NEW))
+        server = ServingEngine(engine, config)
+        server.run([prompt], max_new_tokens=LONG_NEW, ignore_eos=True)
+        out = {"kv_allocated_mb": server.steps.kv_bytes / 2**20,
+               "kv_peak_in_use_mb": server.stats.peak_pages * server.steps.kv_bytes / config.num_pages / 2**20}
+    return {**out, "rss_after_load_mb": loaded, "peak_rss_after_load_mb": _peak_rss()}
+
+
+def _status_mb(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> float:
+    """Reset the process's RSS high-water mark (Linux ``clear_refs``); returns the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mb("VmRSS")
+
+
+def _peak_rss() -> float:
+    """RSS high-water mark since the last reset, MiB (``ru_maxrss`` would also count the parent's)."""
+    return _status_mb("VmHWM")
+
+
+def mixed_batch_kv(engine: Engine, long: int, short: int, batch: int, new_tokens: int) -> dict:
+    """KV bytes (from shapes, nothing run) for one ``long`` prompt among ``batch - 1`` of ``short``:
+    ``Engine.generate``'s one contiguous cache sizes every row for the longest; pages hold what
+    each row uses."""
+    dtype = engine.weights.embed.dtype
+    contiguous = kv_cache_bytes(engine.config, batch, cache_length(long, new_tokens), dtype)
+    pages = _pages(long + new_tokens) + (batch - 1) * _pages(short + new_tokens)
+    paged = kv_cache_bytes(engine.config, 1, pages * PAGE, dtype)
+    return {"batch": batch, "long": long, "short": short, "contiguous_mb": contiguous / 2**20,
+            "paged_mb": paged / 2**20}
 
 
 def _memory_in_subprocess(args, kind: str) -> dict:
@@ -174,6 +208,8 @@ def main() -> None:
             report("decode_ms_by_context", width_sweep(engine, [int(w) for w in args.widths.split(",")]))
     if "memory" not in skip:
         report("memory", {kind: _memory_in_subprocess(args, kind) for kind in ("contiguous", "paged")})
+        engine = Engine.load(args.model, progress=False)
+        report("mixed_batch_kv", mixed_batch_kv(engine, args.long, args.prompt_len, args.requests, args.new_tokens))
     print(json.dumps(result, indent=None if args.json else 2))
 
 

@@ -6,7 +6,8 @@ bounded set of programs, all of which :meth:`PagedSteps.warmup` can compile up f
 - a prefill chunk: one sequence, T tokens (a power of two between ``min_chunk`` and
   ``max_chunk``), reading a block table W pages wide (a power of two, or none for a first
   chunk, which reads no cache);
-- a decode step: every slot, one token each, reading a table W pages wide;
+- a decode step: one token for each decoding sequence, the rows packed into a batch of a
+  power of two (up to ``slots``), reading a table W pages wide;
 - the page write of each (the table is always full width there: the write's shape is T only);
 - sampling, per batch size and sampling mode.
 
@@ -123,6 +124,14 @@ class ServingConfig:
                 return T, W
             T //= 2
 
+    def decode_batches(self) -> list[int]:
+        """Every decode batch size: powers of two below ``slots``, then ``slots``."""
+        return [1 << e for e in range((self.slots - 1).bit_length()) if 1 << e < self.slots] + [self.slots]
+
+    def decode_batch(self, rows: int) -> int:
+        """The decode batch size that holds ``rows`` rows."""
+        return min(b for b in self.decode_batches() if b >= rows)
+
     def chunk_sizes(self) -> list[int]:
         """Every prefill chunk length T."""
         return [1 << e for e in range(self.min_chunk.bit_length() - 1, self.max_chunk.bit_length())]
@@ -150,8 +159,8 @@ def _pow2(n: int) -> bool:
 
 # Module-level jits, so that serving engines over the same model and shapes share compilations.
 @functools.partial(jax.jit, static_argnames=("mode",))
-def _sample_rows(logits, temperature, top_k, top_p, min_p, key_data, steps, mode: SamplingMode):
-    rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(key_data))
+def _sample_rows(logits, temperature, top_k, top_p, min_p, keys, steps, mode: SamplingMode):
+    rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(keys))
     return sample(logits, rows, steps, mode)
 
 
@@ -174,17 +183,22 @@ class RowParams:
     key_data: np.ndarray  # [B, key words]: each row's PRNG key from its seed
 
     @classmethod
-    def empty(cls, rows: int) -> "RowParams":
-        """Greedy parameters for ``rows`` rows."""
-        words = jax.random.key_data(jax.random.key(0)).shape
-        return cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
-                   np.zeros(rows, np.float32), np.zeros((rows, *words), np.uint32))
+    def of(cls, params: list[SamplingParams], keys: list[np.ndarray], rows: int) -> "RowParams":
+        """``params`` (with their ``keys``, see :func:`key_data`) in the first rows of ``rows``;
+        greedy padding rows after them."""
+        words = keys[0].shape if keys else key_data(0).shape
+        out = cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
+                  np.zeros(rows, np.float32), np.zeros((rows, *words), np.uint32))
+        for row, (p, key) in enumerate(zip(params, keys)):
+            out.temperature[row], out.top_k[row], out.top_p[row], out.min_p[row] = (
+                p.temperature, p.top_k, p.top_p, p.min_p)
+            out.key_data[row] = key
+        return out
 
-    def set(self, row: int, p: SamplingParams) -> None:
-        """Put ``p`` in row ``row``."""
-        self.temperature[row], self.top_k[row], self.top_p[row], self.min_p[row] = (
-            p.temperature, p.top_k, p.top_p, p.min_p)
-        self.key_data[row] = np.asarray(jax.random.key_data(jax.random.key(int(p.seed))))
+
+def key_data(seed: int) -> np.ndarray:
+    """The raw words of the PRNG key of ``seed`` (``sample`` folds each token's index into it)."""
+    return np.asarray(jax.random.key_data(jax.random.key(int(seed))))
 
 
 def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
@@ -256,14 +270,12 @@ class PagedSteps:
         for T, W in s.prefill_shapes():
             self.run(np.zeros((1, T)), np.zeros(1), np.zeros(1), full, W)
             calls += 1
-        slots_full = np.zeros((s.slots, s.max_table_pages), np.int32)
-        for W in s.table_widths():
-            self.run(np.zeros((s.slots, 1)), np.zeros(s.slots), np.zeros(s.slots), slots_full, W)
+        for B, W in itertools.product(s.decode_batches(), s.table_widths()):
+            self.run(np.zeros((B, 1)), np.zeros(B), np.zeros(B), np.zeros((B, s.max_table_pages), np.int32), W)
             calls += 1
-        for rows in (1, s.slots):
-            logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
-            for mode in SamplingMode:
-                self.sample(logits, RowParams.empty(rows), np.zeros(rows), mode)
-                calls += 1
+        for B, mode in itertools.product(s.decode_batches(), SamplingMode):
+            self.sample(jnp.zeros((B, self.config.vocab_size), jnp.float32), RowParams.of([], [], B),
+                        np.zeros(B), mode)
+            calls += 1
         return calls
 

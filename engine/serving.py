@@ -16,9 +16,9 @@ Each :meth:`ServingEngine.step`:
 3. runs one prefill chunk of the oldest request still prefilling (a bounded number of tokens,
    attending to the pages written so far; see ``paged_steps``), sampling its first token when
    the chunk ends its prompt;
-4. runs one decode step for every decoding slot (idle slots run masked, with no token), samples
-   each row with its own parameters, and emits the tokens; finished requests free their slot
-   and pages.
+4. runs one decode step for every decoding request (packed into a batch of a power of two,
+   padding rows masked with no token), samples each row with its own parameters, and emits the
+   tokens; finished requests free their slot and pages.
 
 A request's tokens do not depend on what else runs: every row computes the same function of its
 own inputs, sampling keys come from the request's seed and the index of the token within the
@@ -37,7 +37,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from dayzero.engine.generate import Completion, Engine, GenerationError
-from dayzero.engine.paged_steps import PagedSteps, RowParams, ServingConfig, sampling_mode
+from dayzero.engine.paged_steps import PagedSteps, RowParams, ServingConfig, key_data, sampling_mode
 from dayzero.engine.paging import PagePool, PoolExhausted, page_hashes
 from dayzero.engine.sampling import SamplingParams
 
@@ -76,6 +76,7 @@ class _Request:
     ignore_eos: bool
     want_logprobs: bool
     tokens: list[int]  # prompt then generated tokens
+    key: np.ndarray  # the sampling PRNG key's words, from the seed
     logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)  # the block table
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages of tokens
@@ -115,8 +116,6 @@ class ServingEngine:
         self._slots: list[_Request | None] = [None] * self.config.slots
         self._finished: dict[int, _Request] = {}
         self._admissions = itertools.count()
-        self._rows = RowParams.empty(self.config.slots)
-        self._tables = np.zeros((self.config.slots, self.config.max_table_pages), np.int32)
 
     # ---- API -----------------------------------------------------------------------------------
 
@@ -142,7 +141,8 @@ class ServingEngine:
                 f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}, more than "
                 f"this server's max_context of {self.config.max_context}; shorten the request or "
                 "raise max_context")
-        return _Request(next(self._ids), list(ids), max_new_tokens, sampling, ignore_eos, logprobs, list(ids))
+        return _Request(next(self._ids), list(ids), max_new_tokens, sampling, ignore_eos, logprobs, list(ids),
+                        key_data(sampling.seed))
 
     @property
     def has_work(self) -> bool:
@@ -230,7 +230,6 @@ class ServingEngine:
             r.admitted = next(self._admissions)
             r.slot = self._slots.index(None)
             self._slots[r.slot] = r
-            self._rows.set(r.slot, r.params)
 
     def _grow_decoding(self) -> list[_Request]:
         """Give each decoding request a page for its next token, preempting when the pool is
@@ -259,10 +258,12 @@ class ServingEngine:
 
     # ---- device calls --------------------------------------------------------------------------
 
-    def _table(self, r: _Request) -> np.ndarray:
-        row = np.zeros(self.config.max_table_pages, np.int32)
-        row[: len(r.pages)] = r.pages
-        return row
+    def _tables(self, requests: list[_Request], rows: int) -> np.ndarray:
+        """Full-width block tables [rows, W] of ``requests`` (then zero rows)."""
+        tables = np.zeros((rows, self.config.max_table_pages), np.int32)
+        for row, r in enumerate(requests):
+            tables[row, : len(r.pages)] = r.pages
+        return tables
 
     def _prefill_chunk(self, r: _Request) -> list[Event]:
         start = r.computed
@@ -270,34 +271,33 @@ class ServingEngine:
         n = min(T, r.prefill_target - start)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = r.tokens[start : start + n]
-        logits = self.steps.run(tokens, np.array([n]), np.array([start]), self._table(r)[None], W)
+        logits = self.steps.run(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W)
         self._written(r, n)
         self.stats.prefill_tokens += n
         self.stats.prefill_chunks += 1
         self.stats.largest_chunk_scores = max(self.stats.largest_chunk_scores, T * (T + (W or 0) * self.config.page_size))
         if r.computed < len(r.tokens):  # more prompt to go, or a recomputed request decodes next
             return []
-        rows = RowParams.empty(1)
-        rows.set(0, r.params)
+        rows = RowParams.of([r.params], [r.key], 1)
         token, logprob = self.steps.sample(logits, rows, np.array([r.generated]), sampling_mode([r.params]))
         return [self._emit(r, int(token[0]), float(logprob[0]))]
 
     def _decode(self, decoding: list[_Request]) -> list[Event]:
-        B = self.config.slots
+        """One token for every decoding request: their rows packed into the smallest decode batch
+        (padding rows carry no token), so a step costs what its requests need, not all slots."""
+        B = self.config.decode_batch(len(decoding))
         tokens, num_new, lengths, steps = (np.zeros(B, np.int32) for _ in range(4))
-        self._tables[:] = 0
-        for r in decoding:
-            tokens[r.slot], num_new[r.slot], lengths[r.slot], steps[r.slot] = r.tokens[-1], 1, r.computed, r.generated
-            self._tables[r.slot, : len(r.pages)] = r.pages
+        for row, r in enumerate(decoding):
+            tokens[row], num_new[row], lengths[row], steps[row] = r.tokens[-1], 1, r.computed, r.generated
         width = self.config.table_width(max(self.config.pages_for(r.computed + 1) for r in decoding))
-        logits = self.steps.run(tokens[:, None], num_new, lengths, self._tables, width)
+        logits = self.steps.run(tokens[:, None], num_new, lengths, self._tables(decoding, B), width)
         for r in decoding:
             self._written(r, 1)
-        mode = sampling_mode([r.params for r in decoding])
-        out_tokens, out_logprobs = self.steps.sample(logits, self._rows, steps, mode)
+        rows = RowParams.of([r.params for r in decoding], [r.key for r in decoding], B)
+        out_tokens, out_logprobs = self.steps.sample(logits, rows, steps, sampling_mode([r.params for r in decoding]))
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(decoding)
-        return [self._emit(r, int(out_tokens[r.slot]), float(out_logprobs[r.slot])) for r in decoding]
+        return [self._emit(r, int(out_tokens[row]), float(out_logprobs[row])) for row, r in enumerate(decoding)]
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 

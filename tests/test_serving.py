@@ -22,8 +22,10 @@ from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.weights import abstract_weights, init_weights
 
 PAGE = 8
-# Context 128 (16 pages, tables 4/8/16 wide), prefill chunks of 16 or 32 tokens, 4 decode slots.
-SERVING = ServingConfig(slots=4, page_size=PAGE, num_pages=48, max_context=128, max_chunk=32, min_chunk=16)
+# Context 128 (16 pages, tables 8 or 16 wide), prefill chunks of 16 or 32 tokens, 4 decode slots
+# (decode batches of 1, 2 or 4 rows).
+SERVING = ServingConfig(slots=4, page_size=PAGE, num_pages=48, max_context=128, max_chunk=32, min_chunk=16,
+                        min_table_pages=8)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -101,15 +103,20 @@ def test_without_prefix_cache_nothing_is_reused(tiny_engine):
     assert server.stats.cached_tokens == 0 and server.stats.prefill_tokens == 2 * len(PROMPTS[1])
 
 
-def test_pool_exhaustion_preempts_and_every_request_finishes_unchanged(tiny_engine):
-    """16 pages (128 tokens) for four slots whose requests grow to ~60 tokens each: decode runs
-    out of pages, the latest admitted request is preempted and later recomputed."""
-    server = ServingEngine(tiny_engine, dataclasses.replace(SERVING, num_pages=16))
+def test_pool_exhaustion_preempts_and_every_request_finishes_unchanged(server, tiny_engine):
+    """Another tenant holds 32 of the 48 pages: the 16 left (128 tokens) cannot hold four
+    requests growing to ~60 tokens each, so decode runs out of pages, the latest admitted request
+    is preempted and later recomputed (same pool shape as the shared server: nothing compiles)."""
+    held = [server.pool.allocate() for _ in range(32)]
+    before = server.stats.preemptions
     prompts = [_prompt(n, 200 + n) for n in (20, 30, 9, 25, 14)]
     params = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(),
               SamplingParams(temperature=0.7, top_k=10, seed=4), SamplingParams()]
-    served = server.run(prompts, max_new_tokens=40, sampling=params, ignore_eos=True)
-    assert server.stats.preemptions > 0
+    try:
+        served = server.run(prompts, max_new_tokens=40, sampling=params, ignore_eos=True)
+    finally:
+        server.pool.release(held)
+    assert server.stats.preemptions > before
     for prompt, p, out in zip(prompts, params, served):
         assert out.token_ids == _alone(tiny_engine, prompt, 40, p, ignore_eos=True).token_ids
     assert server.pool.in_use == 0
@@ -141,15 +148,18 @@ def test_stream_yields_every_token_once_and_finishes_each_request(server):
     assert not server.has_work
 
 
-def test_eos_stops_a_served_request(tiny_model):
+def test_eos_stops_a_served_request(tiny_model, tiny_engine):
     """With EOS := a token the greedy run emits at step >= 2, the request stops there, as alone."""
-    greedy = Engine(tiny_model.config, tiny_model.weights).generate(PROMPTS[0], max_new_tokens=12,
-                                                                    ignore_eos=True).token_ids
+    greedy = tiny_engine.generate(PROMPTS[0], max_new_tokens=12, ignore_eos=True).token_ids
     stop = next(i for i, t in enumerate(greedy) if i >= 2 and greedy.index(t) == i)
-    engine = Engine(dataclasses.replace(tiny_model.config, eos_token_ids=(greedy[stop],)), tiny_model.weights)
+    engine = Engine(tiny_model.config, tiny_model.weights)
+    engine.eos_ids = (greedy[stop],)
     out = ServingEngine(engine, SERVING).run([PROMPTS[0], PROMPTS[2]], max_new_tokens=12)
     assert out[0].token_ids == greedy[: stop + 1] and out[0].finish_reason == "stop"
-    assert out[1].token_ids == engine.generate(PROMPTS[2], max_new_tokens=12).token_ids
+    other = tiny_engine.generate(PROMPTS[2], max_new_tokens=12, ignore_eos=True).token_ids
+    cut = other.index(greedy[stop]) + 1 if greedy[stop] in other else len(other)
+    assert out[1].token_ids == other[:cut]
+    assert out[1].finish_reason == ("stop" if cut < len(other) or other[-1] == greedy[stop] else "length")
 
 
 @pytest.mark.parametrize(
