@@ -66,6 +66,15 @@ def bucket(n: int, minimum: int) -> int:
     return 1 << max(n - 1, minimum - 1).bit_length()
 
 
+def cache_length(longest: int, max_new_tokens: int) -> int:
+    """Positions per row of the contiguous cache ``Engine`` allocates for a batch whose longest
+    prompt has ``longest`` tokens: room for every padded prefill chunk and for the longest row's
+    last generated token, rounded up to a power of two."""
+    T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
+    padded = -(-longest // T) * T
+    return bucket(max(padded, longest + max_new_tokens), MIN_CACHE_LEN)
+
+
 def default_dtype() -> jnp.dtype:
     """fp32 on CPU (XLA:CPU bf16 matvecs are ~20x slower), bf16 on accelerators."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -312,8 +321,7 @@ class Engine:
         B, longest = len(ids), int(lengths.max())
         T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
         padded = -(-longest // T) * T
-        # Room for every padded chunk write and for the longest row's last generated token.
-        max_len = bucket(max(padded, longest + max_new_tokens), MIN_CACHE_LEN)
+        max_len = cache_length(longest, max_new_tokens)
         cache = init_cache(self.config, B, max_len, self.weights.embed.dtype, self._cache_shardings(B, max_len))
         tokens = np.zeros((B, padded), np.int32)
         for b, row in enumerate(ids):

@@ -114,7 +114,10 @@ def sample(logits: jax.Array, rows: RowSampling, step: jax.Array, mode: Sampling
     """Pick one token per row from fp32 ``logits`` [B, V].
 
     Returns the tokens [B] and their log-probabilities under the unmodified distribution [B].
-    ``step`` (a scalar) is folded into each row's key so every position draws fresh randomness.
+    ``step`` (a scalar, or one per row [B]) is folded into each row's key so every position
+    draws fresh randomness. A row's token depends only on its own logits, parameters, key and
+    step, never on the other rows or on ``mode`` (as long as the mode serves the row): rows
+    without filters draw from the unsorted logits in either sampled mode.
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
     if mode is SamplingMode.GREEDY:
@@ -122,14 +125,15 @@ def sample(logits: jax.Array, rows: RowSampling, step: jax.Array, mode: Sampling
     else:
         temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None]
         scaled = logits / temperature
-        keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(rows.keys)
-        if mode is SamplingMode.PLAIN:
-            tokens = jax.vmap(jax.random.categorical)(keys, scaled)
-        else:
+        steps = jnp.broadcast_to(jnp.asarray(step, jnp.int32), rows.temperature.shape)
+        keys = jax.vmap(jax.random.fold_in)(rows.keys, steps)
+        tokens = jax.vmap(jax.random.categorical)(keys, scaled)
+        if mode is SamplingMode.FILTERED:
             order = jnp.argsort(-scaled, axis=-1)
             sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
             choice = jax.vmap(jax.random.categorical)(keys, _filter_sorted(sorted_logits, rows))
-            tokens = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+            filtered = (rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)
+            tokens = jnp.where(filtered, jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0], tokens)
         # Rows that asked for greedy inside a sampled batch still get their argmax.
         tokens = jnp.where(rows.temperature > 0, tokens, jnp.argmax(logits, axis=-1))
     tokens = tokens.astype(jnp.int32)

@@ -54,13 +54,21 @@ class KVCache:
     lengths: jax.Array
     rope_len: jax.Array
 
+    # ``layer(i)``'s keys are [B,K,H,S] (a paged cache's view is token-major [B,K,S,H]).
+    keys_token_major = False
+
     @property
     def max_len(self) -> int:
         """S, the number of positions each row can hold."""
         return self.v[0].shape[2]
 
-    def layer(self, i: int) -> tuple[jax.Array, ...]:
-        """Layer ``i``'s cached arrays, as its attention block takes them."""
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them.
+
+        ``after``: the layer's input activations. A cache that builds the arrays (the paged
+        cache gathers them) builds them only once ``after`` exists, so that the views of all
+        layers are not live at once; this one ignores it.
+        """
         return self.k[i], self.v[i]
 
 
@@ -88,8 +96,9 @@ class LatentCache:
         """S, the number of positions each row can hold."""
         return self.latent[0].shape[1]
 
-    def layer(self, i: int) -> tuple[jax.Array, ...]:
-        """Layer ``i``'s cached arrays, as its attention block takes them."""
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them (``after`` as
+        :meth:`KVCache.layer`'s, ignored here)."""
         return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
 
 
@@ -179,11 +188,14 @@ def attend(
     k_new: jax.Array,
     v_new: jax.Array,
     masks: tuple[jax.Array | None, jax.Array],
+    keys_token_major: bool = False,
 ) -> jax.Array:
     """Grouped-query softmax attention of the new queries over cached and new keys -> [B,T,N,H].
 
     q, k_new, v_new [B,T,*,H]; k_cache [B,K,H,S], v_cache [B,K,S,H] (the cache layouts): the
     cache as it was before this call (None: nothing cached), the new keys and values beside it.
+    ``keys_token_major``: k_cache is [B,K,S,H] instead (a paged cache's gathered view, where
+    transposing each step's gathered keys would cost more than the slower score product).
     """
     B, T, N, H = q.shape
     K = k_new.shape[2]
@@ -195,7 +207,8 @@ def attend(
     scores = jnp.einsum("bkmh,bjkh->bkmj", qg, k_new, preferred_element_type=jnp.float32)
     mask = mask_new
     if k_cache is not None:
-        s_cached = jnp.einsum("bkmh,bkhs->bkms", qg, k_cache, preferred_element_type=jnp.float32)
+        keys = "bksh" if keys_token_major else "bkhs"
+        s_cached = jnp.einsum(f"bkmh,{keys}->bkms", qg, k_cache, preferred_element_type=jnp.float32)
         scores = jnp.concatenate([s_cached, scores], axis=-1)
         mask = jnp.concatenate([mask_cached, mask_new], axis=-1)
     # Broadcast the [B, T, keys] mask over K and G, in the [B, K, G*T, keys] order of scores.
@@ -219,8 +232,10 @@ def attention_block(
     k_cache: jax.Array | None,
     v_cache: jax.Array | None,
     masks: tuple[jax.Array | None, jax.Array],
+    keys_token_major: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Self-attention of ``x`` [B,T,D] over the cache; returns output and the new keys/values."""
+    """Self-attention of ``x`` [B,T,D] over the cache; returns output and the new keys/values
+    (``keys_token_major`` as :func:`attend`)."""
     q = jnp.einsum("btd,dnh->btnh", x, w.q)
     k = jnp.einsum("btd,dkh->btkh", x, w.k)
     v = jnp.einsum("btd,dkh->btkh", x, w.v)
@@ -233,7 +248,7 @@ def attention_block(
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if k_cache is not None:
         k_cache = k_cache.astype(q.dtype)
-    out = attend(q, k_cache, v_cache, k, v, masks)
+    out = attend(q, k_cache, v_cache, k, v, masks, keys_token_major)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
@@ -251,12 +266,14 @@ def decoder_layer(
     layer_cache: tuple[jax.Array, ...] | None,
     masks: tuple[jax.Array | None, jax.Array],
     parallel: Parallel | None = None,
+    keys_token_major: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
     """Pre-norm residual block: attention then SwiGLU MLP or MoE.
 
     ``layer_cache`` is the layer's cached arrays (``cache.layer(i)``, None when nothing is
-    cached); also returns what the layer adds to the cache: (keys, values), or (latent rows,)
-    for multi-head latent attention, (latent rows, indexer keys) with sparse attention.
+    cached; ``keys_token_major`` as the cache's); also returns what the layer adds to the
+    cache: (keys, values), or (latent rows,) for multi-head latent attention, (latent rows,
+    indexer keys) with sparse attention.
     ``parallel``: the mesh, for the blocks that write their collectives by hand (see
     ``dayzero.model.parallel``).
     """
@@ -266,7 +283,7 @@ def decoder_layer(
         attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, latent_attend)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
-        attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks)
+        attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks, keys_token_major)
         new = (k, v)
     x = x + attn_out
     h = rms_norm(x, w.mlp_norm, config.rms_norm_eps)
@@ -344,11 +361,12 @@ def forward(
         for window in set(config.sliding_windows)
     }
     x = jnp.take(weights.embed, tokens, axis=0)
+    token_major = getattr(cache, "keys_token_major", False)
     new = []  # per layer, what it adds to the cache
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
-        layer_cache = None if cache is None else cache.layer(i)
-        x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel)
+        layer_cache = None if cache is None else cache.layer(i, after=x)
+        x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel, token_major)
         new.append(added)
         if hidden_out is not None:
             hidden_out.append(x)

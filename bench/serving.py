@@ -1,0 +1,217 @@
+"""Continuous batching over the paged KV cache: aggregate throughput, decode cost by table
+width, and KV memory for a long context against the contiguous cache.
+
+    python bench/serving.py [--model DIR] [--requests 32] [--prompt-len 64] [--new-tokens 32]
+        [--long 3000] [--widths 8,64,512] [--json]
+
+1. Throughput: the same ``--requests`` prompts (``--new-tokens`` each, EOS ignored, so every
+   run produces the same tokens) served concurrently by ``ServingEngine`` (one slot each),
+   against ``Engine.generate`` running them one by one, and the serving engine one at a time.
+   Compilation is done before timing (``warmup``, or a first request).
+2. Decode step time against the block-table width (the reference path gathers and attends over
+   every page of the table, so the width, not the context used, sets the cost): one decode step
+   of 8 slots at each ``--widths`` pages, and of the contiguous cache at the same length.
+3. Memory for one ``--long``-token prompt (+16 tokens), each engine in its own process: KV bytes
+   allocated (the contiguous cache is a power-of-two bucket of the length; the pool is sized to
+   the request's pages here) and the peak RSS of the generation; and, from shapes alone, the KV
+   bytes of a batch mixing that long prompt with ``--requests - 1`` short ones.
+
+Default model: the embedded SmolLM2-135M (set DAYZERO_CACHE to reuse a converted copy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.engine.bench import kv_cache_bytes
+from dayzero.engine.generate import Engine, cache_length
+from dayzero.engine.measure import bench_prompt
+from dayzero.engine.paged_steps import ServingConfig
+from dayzero.engine.serving import ServingEngine
+from dayzero.model.transformer import append_to_cache, forward, init_cache
+
+PAGE = 16
+LONG_NEW = 16
+
+
+def _pages(tokens: int) -> int:
+    return -(-tokens // PAGE)
+
+
+def throughput(engine: Engine, requests: int, prompt_len: int, new_tokens: int) -> dict:
+    """Aggregate tokens/s: concurrent serving, Engine.generate one by one, serving one by one."""
+    prompts = bench_prompt(engine.config.vocab_size, prompt_len, requests, engine.eos_ids)
+    total = requests * new_tokens
+    config = ServingConfig(slots=requests, page_size=PAGE, max_context=prompt_len + new_tokens,
+                           num_pages=requests * _pages(prompt_len + new_tokens),
+                           max_chunk=min(512, 1 << (prompt_len - 1).bit_length()))
+    server = ServingEngine(engine, config)
+    start = time.perf_counter()
+    shapes = server.warmup()
+    out = {"warmup_s": time.perf_counter() - start, "warmup_shapes": shapes}
+
+    start = time.perf_counter()
+    served = server.run(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    out["concurrent_s"] = time.perf_counter() - start
+    out["decode_steps"] = server.stats.decode_steps
+
+    engine.generate(prompts[0], max_new_tokens=new_tokens, ignore_eos=True)  # compile
+    start = time.perf_counter()
+    alone = [engine.generate(p, max_new_tokens=new_tokens, ignore_eos=True) for p in prompts]
+    out["generate_one_by_one_s"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    for p in prompts:
+        server.run([p], max_new_tokens=new_tokens, ignore_eos=True)
+    out["serving_one_by_one_s"] = time.perf_counter() - start
+
+    out["same_tokens"] = sum(a.token_ids == b.token_ids for a, b in zip(served, alone))
+    for key in ("concurrent", "generate_one_by_one", "serving_one_by_one"):
+        out[f"{key}_tok_s"] = total / out[f"{key}_s"]
+    out["speedup_vs_generate"] = out["concurrent_tok_s"] / out["generate_one_by_one_tok_s"]
+    return out
+
+
+def width_sweep(engine: Engine, widths: list[int], slots: int = 8, steps: int = 5) -> dict:
+    """Median decode step (forward + cache write) ms of ``slots`` rows nearly full, at each table
+    width of the paged cache and at the same length of the contiguous cache."""
+    config = ServingConfig(slots=slots, page_size=PAGE, max_context=max(widths) * PAGE, max_chunk=16,
+                           num_pages=max(widths))
+    server = ServingEngine(engine, config)
+    tables = np.tile(np.arange(config.max_table_pages, dtype=np.int32) % config.num_pages, (slots, 1))
+    tokens, ones = np.ones((slots, 1), np.int32), np.ones(slots, np.int32)
+    step = jax.jit(lambda w, t, n, cache: forward(w, engine.config, t, cache, n))
+    append = jax.jit(append_to_cache, donate_argnums=(0,))
+    out = {}
+    for width in widths:
+        length = width * PAGE - 1
+        lengths = np.full(slots, length, np.int32)
+        paged = lambda: np.asarray(server.steps.run(tokens, ones, lengths, tables, width))  # noqa: E731
+        cache = [init_cache(engine.config, slots, width * PAGE, engine.weights.embed.dtype).replace(
+            lengths=jnp.full((slots,), length, jnp.int32))]
+
+        def contiguous():
+            logits, new = step(engine.weights, jnp.asarray(tokens), jnp.asarray(ones), cache[0])
+            cache[0] = append(cache[0], new).replace(lengths=jnp.full((slots,), length, jnp.int32))
+            np.asarray(logits)
+
+        out[width * PAGE] = {name: _median_ms(fn, steps) for name, fn in (("paged", paged), ("contiguous", contiguous))}
+        del cache[0]
+    return out
+
+
+def _median_ms(fn, steps: int) -> float:
+    fn()  # compiles
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
+
+
+def memory(model: str | None, kind: str, length: int) -> dict:
+    """KV bytes and RSS of one ``length``-token prompt (+16 new tokens) in this process: RSS
+    after loading the model, and the peak after that (Linux: the high-water mark is reset once
+    the model is loaded, so the figure is the generation's own peak)."""
+    engine = Engine.load(model, progress=False)
+    prompt = bench_prompt(engine.config.vocab_size, length, 1, engine.eos_ids)[0]
+    dtype = engine.weights.embed.dtype
+    loaded = _reset_peak_rss()
+    if kind == "contiguous":
+        engine.generate(prompt, max_new_tokens=LONG_NEW, ignore_eos=True)
+        out = {"kv_allocated_mb": kv_cache_bytes(engine.config, 1, cache_length(length, LONG_NEW), dtype) / 2**20}
+    else:
+        config = ServingConfig(slots=1, page_size=PAGE, max_context=length + LONG_NEW,
+                               num_pages=_pages(length + LONG_NEW))
+        server = ServingEngine(engine, config)
+        server.run([prompt], max_new_tokens=LONG_NEW, ignore_eos=True)
+        out = {"kv_allocated_mb": server.steps.kv_bytes / 2**20,
+               "kv_peak_in_use_mb": server.stats.peak_pages * server.steps.kv_bytes / config.num_pages / 2**20}
+    return {**out, "rss_after_load_mb": loaded, "peak_rss_after_load_mb": _peak_rss()}
+
+
+def _status_mb(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def _reset_peak_rss() -> float:
+    """Reset the process's RSS high-water mark (Linux ``clear_refs``); returns the current RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mb("VmRSS")
+
+
+def _peak_rss() -> float:
+    """RSS high-water mark since the last reset, MiB (``ru_maxrss`` would also count the parent's)."""
+    return _status_mb("VmHWM")
+
+
+def mixed_batch_kv(engine: Engine, long: int, short: int, batch: int, new_tokens: int) -> dict:
+    """KV bytes (from shapes, nothing run) for one ``long`` prompt among ``batch - 1`` of ``short``:
+    ``Engine.generate``'s one contiguous cache sizes every row for the longest; pages hold what
+    each row uses."""
+    dtype = engine.weights.embed.dtype
+    contiguous = kv_cache_bytes(engine.config, batch, cache_length(long, new_tokens), dtype)
+    pages = _pages(long + new_tokens) + (batch - 1) * _pages(short + new_tokens)
+    paged = kv_cache_bytes(engine.config, 1, pages * PAGE, dtype)
+    return {"batch": batch, "long": long, "short": short, "contiguous_mb": contiguous / 2**20,
+            "paged_mb": paged / 2**20}
+
+
+def _memory_in_subprocess(args, kind: str) -> dict:
+    cmd = [sys.executable, __file__, "--memory-only", kind, "--long", str(args.long)]
+    if args.model:
+        cmd += ["--model", args.model]
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="converted model directory (default: embedded SmolLM2)")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--long", type=int, default=3000, help="prompt tokens of the memory comparison")
+    parser.add_argument("--widths", default="8,64,512", help="table widths (pages) of the decode sweep")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: throughput,widths,memory")
+    parser.add_argument("--memory-only", choices=["contiguous", "paged"], help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.memory_only:
+        print(json.dumps(memory(args.model, args.memory_only, args.long)))
+        return
+    skip = set(args.skip.split(","))
+    result = {}
+
+    def report(name: str, value: dict) -> None:  # each section as it ends: a long run keeps what it measured
+        result[name] = value
+        print(json.dumps({name: value}), file=sys.stderr, flush=True)
+
+    if not {"throughput", "widths"} <= skip:
+        engine = Engine.load(args.model, progress=False)
+        if "throughput" not in skip:
+            report("throughput", throughput(engine, args.requests, args.prompt_len, args.new_tokens))
+        if "widths" not in skip:
+            report("decode_ms_by_context", width_sweep(engine, [int(w) for w in args.widths.split(",")]))
+    if "memory" not in skip:
+        report("memory", {kind: _memory_in_subprocess(args, kind) for kind in ("contiguous", "paged")})
+        engine = Engine.load(args.model, progress=False)
+        report("mixed_batch_kv", mixed_batch_kv(engine, args.long, args.prompt_len, args.requests, args.new_tokens))
+    print(json.dumps(result, indent=None if args.json else 2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""The compiled steps of paged serving and the shape policy that keeps their number small.
+
+Every device call has a static shape drawn from a short list, so a serving run compiles a
+bounded set of programs, all of which :meth:`PagedSteps.warmup` can compile up front:
+
+- a prefill chunk: one sequence, T tokens (a power of two between ``min_chunk`` and
+  ``max_chunk``), reading a block table W pages wide (a power of two, or none for a first
+  chunk, which reads no cache);
+- a decode step: one token for each decoding sequence, the rows packed into a batch of a
+  power of two (up to ``slots``), reading a table W pages wide;
+- the page write of each (the table is always full width there: the write's shape is T only);
+- sampling, per batch size and sampling mode.
+
+Why the table width is a bucket: the reference attention gathers every page of the table and
+attends over all of it (masked), so the width, not the pool or the model's context, sets the
+cost of a step. Cut to the power of two above what the longest row needs, a step costs at most
+twice the exact width, with log2(pages per sequence) shapes.
+
+Why the chunk shrinks as the context grows: a chunk's attention scores are T x (W x page_size)
+per head. Capping that product (``chunk_budget``) keeps each step's memory flat however long
+the prompt is: beyond the KV pages themselves (and one layer's gathered copy of them), a 32k
+prompt needs no more memory than a short one. The total attention work is the same; only the
+weight matmuls run on fewer rows at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.engine.generate import GenerationError, bucket
+from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
+from dayzero.model.config import ModelConfig
+from dayzero.model.paged_cache import append_to_pages, init_paged_cache
+from dayzero.model.transformer import forward
+from dayzero.model.weights import Weights
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig:
+    """Sizes of a paged serving engine. ``None`` fields take a default from the model
+    (see :meth:`resolve`).
+
+    slots: sequences decoded together (the decode batch). page_size: positions per KV page.
+    num_pages: pages in the pool (default: room for ``max_context`` tokens, and 1024 per slot).
+    max_context: longest sequence (prompt + new tokens) served (default: the model's context).
+    max_chunk / min_chunk: prefill tokens per step (powers of two). chunk_budget: cap on
+    chunk tokens x attended positions per prefill step (bounds its attention memory).
+    min_table_pages: narrowest block table read (a power of two). prefix_cache: reuse the
+    pages of a shared prompt prefix.
+    """
+
+    slots: int = 8
+    page_size: int = 16
+    num_pages: int | None = None
+    max_context: int | None = None
+    max_chunk: int = 512
+    min_chunk: int = 16
+    chunk_budget: int = 1 << 21
+    min_table_pages: int = 4
+    prefix_cache: bool = True
+
+    def __post_init__(self):
+        checks = [
+            (self.slots >= 1, "slots", "at least 1"),
+            (self.page_size >= 1, "page_size", "at least 1"),
+            (self.num_pages is None or self.num_pages >= 1, "num_pages", "at least 1"),
+            (self.max_context is None or self.max_context >= 2, "max_context", "at least 2"),
+            (_pow2(self.min_chunk) and _pow2(self.max_chunk) and self.min_chunk <= self.max_chunk,
+             "max_chunk", f"a power of two >= min_chunk={self.min_chunk} (also a power of two)"),
+            (_pow2(self.min_table_pages), "min_table_pages", "a power of two"),
+            (self.chunk_budget >= self.max_chunk * self.max_chunk, "chunk_budget",
+             f"at least max_chunk**2 = {self.max_chunk**2}"),
+        ]
+        for ok, name, expected in checks:
+            if not ok:
+                raise GenerationError(f"{name}={getattr(self, name)!r} is invalid; it must be {expected}")
+
+    def resolve(self, model: ModelConfig) -> "ServingConfig":
+        """A copy with every default filled in for ``model``; checks the pool can hold one
+        sequence of ``max_context`` tokens."""
+        context = self.max_context or model.max_position_embeddings
+        if context > model.max_position_embeddings:
+            raise GenerationError(
+                f"max_context={context} is more than the model's context of "
+                f"{model.max_position_embeddings} tokens; lower it")
+        per_seq = -(-context // self.page_size)
+        pages = self.num_pages or max(per_seq, self.slots * -(-1024 // self.page_size))
+        if pages < per_seq:
+            raise GenerationError(
+                f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
+                f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
+        return dataclasses.replace(self, max_context=context, num_pages=pages)
+
+    # ---- shape policy (on a resolved config) ----------------------------------------------------
+
+    def pages_for(self, tokens: int) -> int:
+        """Pages that hold ``tokens`` positions."""
+        return -(-tokens // self.page_size)
+
+    @property
+    def max_table_pages(self) -> int:
+        """Width of the full block tables (the widest bucket)."""
+        return max(bucket(self.pages_for(self.max_context), 1), self.min_table_pages)
+
+    def table_width(self, pages: int) -> int:
+        """The bucketed table width that addresses ``pages`` pages."""
+        return min(max(bucket(pages, 1), self.min_table_pages), self.max_table_pages)
+
+    def chunk_shape(self, start: int, remaining: int) -> tuple[int, int | None]:
+        """(T, W) of the next prefill chunk of a sequence with ``start`` positions cached and
+        ``remaining`` to go: W None when nothing is cached (the chunk reads no cache)."""
+        T = min(self.max_chunk, bucket(remaining, self.min_chunk))
+        if start == 0:
+            return T, None
+        while True:
+            W = self.table_width(self.pages_for(start + min(T, remaining)))
+            if T <= self.min_chunk or T * W * self.page_size <= self.chunk_budget:
+                return T, W
+            T //= 2
+
+    def decode_batches(self) -> list[int]:
+        """Every decode batch size: powers of two below ``slots``, then ``slots``."""
+        return [1 << e for e in range((self.slots - 1).bit_length()) if 1 << e < self.slots] + [self.slots]
+
+    def decode_batch(self, rows: int) -> int:
+        """The decode batch size that holds ``rows`` rows."""
+        return min(b for b in self.decode_batches() if b >= rows)
+
+    def chunk_sizes(self) -> list[int]:
+        """Every prefill chunk length T."""
+        return [1 << e for e in range(self.min_chunk.bit_length() - 1, self.max_chunk.bit_length())]
+
+    def table_widths(self) -> list[int]:
+        """Every table width W."""
+        return [w for w in (1 << e for e in range(self.max_table_pages.bit_length())) if w >= self.min_table_pages]
+
+    def prefill_shapes(self) -> list[tuple[int, int | None]]:
+        """Every (T, W) ``chunk_shape`` can return."""
+        shapes = [(T, None) for T in self.chunk_sizes()]
+        for T, W in itertools.product(self.chunk_sizes(), self.table_widths()):
+            # The table holds at least one cached position and the chunk's real tokens: more
+            # than T/2 of them (else T would be a smaller bucket) unless T is the smallest.
+            least = 1 + (T // 2 + 1 if T > self.min_chunk else 1)
+            fits = W * self.page_size >= min(least, self.max_context)
+            if fits and (T == self.min_chunk or T * W * self.page_size <= self.chunk_budget):
+                shapes.append((T, W))
+        return shapes
+
+
+def _pow2(n: int) -> bool:
+    return isinstance(n, int) and n >= 1 and n & (n - 1) == 0
+
+
+# Module-level jits, so that serving engines over the same model and shapes share compilations.
+@functools.partial(jax.jit, static_argnames=("mode",))
+def _sample_rows(logits, temperature, top_k, top_p, min_p, keys, steps, mode: SamplingMode):
+    rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(keys))
+    return sample(logits, rows, steps, mode)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _forward_logits(weights, tokens, num_new, cache, *, config):
+    return forward(weights, config, tokens, cache, num_new)
+
+
+_append = jax.jit(append_to_pages, donate_argnums=(0,))
+
+
+@dataclasses.dataclass
+class RowParams:
+    """Sampling parameters of a batch's rows as host arrays (one entry per row)."""
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    key_data: np.ndarray  # [B, key words]: each row's PRNG key from its seed
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], keys: list[np.ndarray], rows: int) -> "RowParams":
+        """``params`` (with their ``keys``, see :func:`key_data`) in the first rows of ``rows``;
+        greedy padding rows after them."""
+        words = keys[0].shape if keys else key_data(0).shape
+        out = cls(np.zeros(rows, np.float32), np.zeros(rows, np.int32), np.ones(rows, np.float32),
+                  np.zeros(rows, np.float32), np.zeros((rows, *words), np.uint32))
+        for row, (p, key) in enumerate(zip(params, keys)):
+            out.temperature[row], out.top_k[row], out.top_p[row], out.min_p[row] = (
+                p.temperature, p.top_k, p.top_p, p.min_p)
+            out.key_data[row] = key
+        return out
+
+
+def key_data(seed: int) -> np.ndarray:
+    """The raw words of the PRNG key of ``seed`` (``sample`` folds each token's index into it)."""
+    return np.asarray(jax.random.key_data(jax.random.key(int(seed))))
+
+
+def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
+    """The cheapest mode serving every row (a row's tokens do not depend on it, see ``sample``)."""
+    if all(p.greedy for p in params):
+        return SamplingMode.GREEDY
+    return SamplingMode.FILTERED if any(p.filtered for p in params) else SamplingMode.PLAIN
+
+
+class PagedSteps:
+    """The page pool on the device and the compiled forward, page write and sampling steps."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, serving: ServingConfig):
+        self.config, self.weights, self.serving = config, weights, serving
+        self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=weights.embed.dtype)
+        self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the page pool (every layer)."""
+        return sum(x.nbytes for x in jax.tree.leaves(self.pool) if x.ndim >= 3)
+
+    def run(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
+            width: int | None) -> jax.Array:
+        """Forward ``tokens`` [B,T] (``num_new`` real per row) after each row's ``lengths``
+        cached positions, write their keys/values into the pages of ``tables`` [B, full width]
+        and return the logits of each row's last real token [B,V] (on the device).
+
+        ``width``: the table width the attention reads (None: nothing cached, read nothing).
+        """
+        self.shapes_run.add((*tokens.shape, width))
+        logits, new = _forward_logits(self.weights, *self.forward_args(tokens, num_new, lengths, tables, width),
+                                      config=self.config)
+        self.pool = _append(self.pool.replace(block_tables=jnp.asarray(tables, jnp.int32),
+                                              lengths=jnp.asarray(lengths, jnp.int32)), new)
+        return logits
+
+    def forward_args(self, tokens, num_new, lengths, tables, width) -> tuple:
+        """(tokens, num_new, cache to read) of the forward call ``run`` makes."""
+        read = None
+        if width is not None:
+            read = self.pool.replace(block_tables=jnp.asarray(tables[:, :width], jnp.int32),
+                                     lengths=jnp.asarray(lengths, jnp.int32))
+        return jnp.asarray(tokens, jnp.int32), jnp.asarray(num_new, jnp.int32), read
+
+    def forward_temp_bytes(self, B: int, T: int, width: int | None) -> int:
+        """Temporary device memory XLA plans for the forward call of shape (B, T, width): the
+        step's working memory beyond weights, pool and outputs."""
+        tables = np.zeros((B, self.serving.max_table_pages), np.int32)
+        args = self.forward_args(np.zeros((B, T)), np.zeros(B), np.zeros(B), tables, width)
+        compiled = _forward_logits.lower(self.weights, *args, config=self.config).compile()
+        return int(compiled.memory_analysis().temp_size_in_bytes)
+
+    def sample(self, logits: jax.Array, rows: RowParams, steps: np.ndarray, mode: SamplingMode
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens [B] and their logprobs [B] for each row, with its own parameters and its
+        own ``steps`` (tokens it generated before this one), read back to the host."""
+        tokens, logprobs = _sample_rows(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
+                                        rows.key_data, np.asarray(steps, np.int32), mode=mode)
+        return np.asarray(tokens), np.asarray(logprobs)
+
+    def warmup(self) -> int:
+        """Compile every shape serving can use; returns how many calls it made.
+
+        Each call writes nothing (no real token) and so leaves the pool as it was.
+        """
+        s, calls = self.serving, 0
+        full = np.zeros((1, s.max_table_pages), np.int32)
+        for T, W in s.prefill_shapes():
+            self.run(np.zeros((1, T)), np.zeros(1), np.zeros(1), full, W)
+            calls += 1
+        for B, W in itertools.product(s.decode_batches(), s.table_widths()):
+            self.run(np.zeros((B, 1)), np.zeros(B), np.zeros(B), np.zeros((B, s.max_table_pages), np.int32), W)
+            calls += 1
+        for B, mode in itertools.product(s.decode_batches(), SamplingMode):
+            self.sample(jnp.zeros((B, self.config.vocab_size), jnp.float32), RowParams.of([], [], B),
+                        np.zeros(B), mode)
+            calls += 1
+        return calls
+

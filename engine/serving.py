@@ -1,0 +1,329 @@
+"""Continuous batching over a paged KV cache: many requests, one fixed set of decode slots.
+
+    >>> server = ServingEngine(Engine.load(), ServingConfig(slots=8))    # doctest: +SKIP
+    >>> a = server.submit("Hello", max_new_tokens=16)                     # doctest: +SKIP
+    >>> for event in server.stream(): ...                                  # doctest: +SKIP
+
+Each :meth:`ServingEngine.step`:
+
+1. admits waiting requests (oldest first) while a slot is free and the pool has pages for the
+   request's whole prompt (after reusing cached prefix pages) plus one page of growth for every
+   running request; the prompt's pages are allocated at admission;
+2. gives every decoding request the page its next token needs; when the pool is exhausted it
+   preempts the most recently admitted request (its pages are released, it goes back to the
+   front of the queue and is recomputed from prompt + generated tokens when readmitted, its
+   full pages likely still in the prefix cache);
+3. runs one prefill chunk of the oldest request still prefilling (a bounded number of tokens,
+   attending to the pages written so far; see ``paged_steps``), sampling its first token when
+   the chunk ends its prompt;
+4. runs one decode step for every decoding request (packed into a batch of a power of two,
+   padding rows masked with no token), samples each row with its own parameters, and emits the
+   tokens; finished requests free their slot and pages.
+
+A request's tokens do not depend on what else runs: every row computes the same function of its
+own inputs, sampling keys come from the request's seed and the index of the token within the
+request (never the slot or the step), and recomputation after preemption reproduces the same
+cache. Sequences are limited to the model's context, so dynamic-NTK RoPE (whose ``rope_len`` is
+shared by a batch) never changes frequencies within a served sequence.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from dayzero.engine.generate import Completion, Engine, GenerationError
+from dayzero.engine.paged_steps import PagedSteps, RowParams, ServingConfig, key_data, sampling_mode
+from dayzero.engine.paging import PagePool, PoolExhausted, page_hashes
+from dayzero.engine.sampling import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One generated token of request ``request_id``; ``finish_reason`` ("stop" or "length")
+    is set on the request's last token, None before."""
+
+    request_id: int
+    token: int
+    logprob: float
+    finish_reason: str | None = None
+
+
+@dataclasses.dataclass
+class ServingStats:
+    """Counters of a serving engine (cumulative)."""
+
+    prefill_tokens: int = 0  # tokens run through prefill chunks (padding excluded)
+    cached_tokens: int = 0  # tokens whose pages came from the prefix cache instead
+    prefill_chunks: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    preemptions: int = 0
+    peak_pages: int = 0  # most pages referenced at once
+    largest_chunk_scores: int = 0  # max over prefill chunks of T x attended positions
+
+
+@dataclasses.dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    ignore_eos: bool
+    want_logprobs: bool
+    tokens: list[int]  # prompt then generated tokens
+    key: np.ndarray  # the sampling PRNG key's words, from the seed
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)  # the block table
+    hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages of tokens
+    registered: int = 0  # leading pages entered in the prefix cache
+    computed: int = 0  # positions whose keys/values are in the pages
+    slot: int | None = None
+    admitted: int = -1  # admission order (preemption takes the latest)
+    finish_reason: str | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def prefill_target(self) -> int:
+        """Positions prefill computes: the whole prompt (its last logits give the first token);
+        after a preemption, every token but the last generated one, which decode then feeds."""
+        return len(self.tokens) - (1 if self.generated else 0)
+
+    @property
+    def prefilling(self) -> bool:
+        """Prefill chunks are still to run (else the request decodes)."""
+        return self.computed < self.prefill_target
+
+
+class ServingEngine:
+    """Continuous-batching generation over an :class:`Engine`'s model with a paged KV cache."""
+
+    def __init__(self, engine: Engine, config: ServingConfig = ServingConfig()):
+        self.engine = engine
+        self.config = config.resolve(engine.config)
+        self.steps = PagedSteps(engine.config, engine.weights, self.config)
+        self.pool = PagePool(self.config.num_pages)
+        self.stats = ServingStats()
+        self._ids = itertools.count()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._slots: list[_Request | None] = [None] * self.config.slots
+        self._finished: dict[int, _Request] = {}
+        self._admissions = itertools.count()
+
+    # ---- API -----------------------------------------------------------------------------------
+
+    def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64,
+               sampling: SamplingParams = SamplingParams(), chat: bool = False, ignore_eos: bool = False,
+               logprobs: bool = False) -> int:
+        """Queue one request (text or token ids); returns its id. Validation as ``Engine.generate``,
+        plus the serving limits (``max_context``)."""
+        request = self._request(prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs)
+        self._waiting.append(request)
+        return request.id
+
+    def _request(self, prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs) -> _Request:
+        """A validated request (raises :class:`GenerationError` naming the bad value)."""
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise GenerationError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+        if not isinstance(sampling, SamplingParams):
+            raise GenerationError(f"sampling={sampling!r} is not a SamplingParams")
+        ids = self.engine._prompt_ids(prompt, chat)
+        self.engine._check_length(ids, max_new_tokens)
+        if len(ids) + max_new_tokens > self.config.max_context:
+            raise GenerationError(
+                f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}, more than "
+                f"this server's max_context of {self.config.max_context}; shorten the request or "
+                "raise max_context")
+        return _Request(next(self._ids), list(ids), max_new_tokens, sampling, ignore_eos, logprobs, list(ids),
+                        key_data(sampling.seed))
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._waiting) or any(r is not None for r in self._slots)
+
+    def stream(self) -> Iterator[Event]:
+        """Run steps until every submitted request has finished, yielding each token as it comes.
+
+        Requests submitted while iterating join the running batch.
+        """
+        while self.has_work:
+            yield from self.step()
+
+    def completion(self, request_id: int) -> Completion:
+        """The finished request ``request_id``, handed over once (the server then forgets it).
+
+        Raises ``KeyError`` if it has not finished or was already taken.
+        """
+        r = self._finished.pop(request_id)
+        tok = self.engine.tokenizer
+        generated = r.tokens[len(r.prompt):]
+        return Completion(text=tok.decode(generated) if tok else "", prompt_ids=list(r.prompt),
+                          token_ids=generated, finish_reason=r.finish_reason,
+                          logprobs=list(r.logprobs) if r.want_logprobs else None)
+
+    def run(self, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
+            sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), chat: bool = False,
+            ignore_eos: bool = False, logprobs: bool = False) -> list[Completion]:
+        """Submit every prompt (with shared or per-prompt ``max_new_tokens`` and ``sampling``),
+        serve them all concurrently, and return their completions in order."""
+        n = len(prompts)
+        news = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(news) != n or len(params) != n:
+            raise GenerationError(f"{len(news)} max_new_tokens and {len(params)} sampling settings for {n} prompts")
+        # All validated before any is queued: a bad one leaves nothing half-submitted.
+        requests = [self._request(p, m, s, chat, ignore_eos, logprobs) for p, m, s in zip(prompts, news, params)]
+        self._waiting.extend(requests)
+        ids = [r.id for r in requests]
+        for _ in self.stream():
+            pass
+        return [self.completion(i) for i in ids]
+
+    def warmup(self) -> int:
+        """Compile every step shape up front (after it, serving compiles nothing); returns the
+        number of shapes."""
+        return self.steps.warmup()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """Admit, allocate, run one prefill chunk and one decode step; the tokens produced."""
+        self._admit()
+        decoding = self._grow_decoding()
+        events = []
+        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.in_use)
+        prefill = min((r for r in self._running() if r.prefilling), key=lambda r: r.admitted, default=None)
+        if prefill is not None:
+            events += self._prefill_chunk(prefill)
+        if decoding:
+            events += self._decode(decoding)
+        return events
+
+    def _running(self) -> list[_Request]:
+        return [r for r in self._slots if r is not None]
+
+    def _admit(self) -> None:
+        while self._waiting and None in self._slots:
+            r = self._waiting[0]
+            matched = []
+            if self.config.prefix_cache:
+                r.hashes = page_hashes(r.tokens, self.config.page_size, r.hashes)
+                # Leave at least one token to compute: its logits give the next token.
+                matched = self.pool.match_prefix(r.hashes[: (len(r.tokens) - 1) // self.config.page_size])
+            needed = self.config.pages_for(len(r.tokens)) - len(matched)
+            if self.pool.available < needed + len(self._running()):
+                self.pool.release(matched)
+                return
+            self._waiting.popleft()
+            r.pages = matched + [self.pool.allocate() for _ in range(needed)]
+            r.registered = len(matched)
+            r.computed = len(matched) * self.config.page_size
+            self.stats.cached_tokens += r.computed
+            r.admitted = next(self._admissions)
+            r.slot = self._slots.index(None)
+            self._slots[r.slot] = r
+
+    def _grow_decoding(self) -> list[_Request]:
+        """Give each decoding request a page for its next token, preempting when the pool is
+        out; returns the decoding requests still running."""
+        for r in sorted(self._running(), key=lambda r: r.admitted):
+            if r.slot is None or r.prefilling:  # preempted meanwhile, or not decoding yet
+                continue
+            while len(r.pages) * self.config.page_size <= r.computed:
+                try:
+                    r.pages.append(self.pool.allocate())
+                except PoolExhausted:
+                    victim = max(self._running(), key=lambda q: q.admitted)
+                    self._preempt(victim)
+                    if victim is r:
+                        break
+        return [r for r in self._running() if not r.prefilling]
+
+    def _preempt(self, r: _Request) -> None:
+        """Free ``r``'s pages and slot; it goes to the front of the queue, to be recomputed."""
+        self.pool.release(r.pages)
+        r.pages, r.computed, r.registered = [], 0, 0
+        self._slots[r.slot] = None
+        r.slot = None
+        self._waiting.appendleft(r)
+        self.stats.preemptions += 1
+
+    # ---- device calls --------------------------------------------------------------------------
+
+    def _tables(self, requests: list[_Request], rows: int) -> np.ndarray:
+        """Full-width block tables [rows, W] of ``requests`` (then zero rows)."""
+        tables = np.zeros((rows, self.config.max_table_pages), np.int32)
+        for row, r in enumerate(requests):
+            tables[row, : len(r.pages)] = r.pages
+        return tables
+
+    def _prefill_chunk(self, r: _Request) -> list[Event]:
+        start = r.computed
+        T, W = self.config.chunk_shape(start, r.prefill_target - start)
+        n = min(T, r.prefill_target - start)
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, :n] = r.tokens[start : start + n]
+        logits = self.steps.run(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W)
+        self._written(r, n)
+        self.stats.prefill_tokens += n
+        self.stats.prefill_chunks += 1
+        self.stats.largest_chunk_scores = max(self.stats.largest_chunk_scores, T * (T + (W or 0) * self.config.page_size))
+        if r.computed < len(r.tokens):  # more prompt to go, or a recomputed request decodes next
+            return []
+        rows = RowParams.of([r.params], [r.key], 1)
+        token, logprob = self.steps.sample(logits, rows, np.array([r.generated]), sampling_mode([r.params]))
+        return [self._emit(r, int(token[0]), float(logprob[0]))]
+
+    def _decode(self, decoding: list[_Request]) -> list[Event]:
+        """One token for every decoding request: their rows packed into the smallest decode batch
+        (padding rows carry no token), so a step costs what its requests need, not all slots."""
+        B = self.config.decode_batch(len(decoding))
+        tokens, num_new, lengths, steps = (np.zeros(B, np.int32) for _ in range(4))
+        for row, r in enumerate(decoding):
+            tokens[row], num_new[row], lengths[row], steps[row] = r.tokens[-1], 1, r.computed, r.generated
+        width = self.config.table_width(max(self.config.pages_for(r.computed + 1) for r in decoding))
+        logits = self.steps.run(tokens[:, None], num_new, lengths, self._tables(decoding, B), width)
+        for r in decoding:
+            self._written(r, 1)
+        rows = RowParams.of([r.params for r in decoding], [r.key for r in decoding], B)
+        out_tokens, out_logprobs = self.steps.sample(logits, rows, steps, sampling_mode([r.params for r in decoding]))
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(decoding)
+        return [self._emit(r, int(out_tokens[row]), float(out_logprobs[row])) for row, r in enumerate(decoding)]
+
+    # ---- bookkeeping ---------------------------------------------------------------------------
+
+    def _written(self, r: _Request, n: int) -> None:
+        """``n`` more positions of ``r`` are in its pages; enter newly full pages in the prefix cache."""
+        r.computed += n
+        if not self.config.prefix_cache:
+            return
+        full = r.computed // self.config.page_size
+        if full > r.registered:
+            r.hashes = page_hashes(r.tokens[: full * self.config.page_size], self.config.page_size, r.hashes[:full])
+            for i in range(r.registered, full):
+                self.pool.register(r.pages[i], r.hashes[i])
+            r.registered = full
+
+    def _emit(self, r: _Request, token: int, logprob: float) -> Event:
+        r.tokens.append(token)
+        r.logprobs.append(logprob)
+        if not r.ignore_eos and token in self.engine.eos_ids:
+            r.finish_reason = "stop"
+        elif r.generated >= r.max_new_tokens:
+            r.finish_reason = "length"
+        if r.finish_reason is not None:
+            self.pool.release(r.pages)
+            r.pages = []
+            self._slots[r.slot] = None
+            r.slot = None
+            self._finished[r.id] = r
+        return Event(r.id, token, logprob, r.finish_reason)

@@ -1,0 +1,209 @@
+"""The paged KV cache: one pool of fixed-size pages per layer, shared by every sequence.
+
+A sequence's positions live in the pages its row of ``block_tables`` lists, in order: position
+p is slot ``p % page_size`` of page ``block_tables[b, p // page_size]``. Pages are handed out
+and taken back by the host (``dayzero.engine.paging``), so sequences of any lengths share one
+pool without each reserving room for the longest, and sequences with a common prefix can share
+its pages.
+
+Layouts are those of the paged attention kernels (``dayzero.kernels``): per layer keys and
+values [K, P, page_size, H] (kv heads, pool pages, slots, head dim); multi-head latent
+attention's latent rows [P, page_size, C] and, with sparse attention, the indexer keys
+[P, page_size, J].
+
+The caches here have the interface ``transformer.forward`` reads (``lengths``, ``rope_len``,
+``max_len``, ``layer(i)``): ``layer(i)`` gathers each row's pages into the contiguous view the
+attention blocks take (K and V [B,K,S,H], keys token-major unlike the contiguous cache; latent
+[B,S,C]) with S = the table's width times the page size. That gather is the reference path; a
+paged kernel reads the pages in place.
+``append_to_pages`` writes what ``forward`` returns into the pages (jit it apart from
+``forward``, with the cache donated, for the reason the transformer module docstring gives).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dayzero.model.config import ModelConfig
+from dayzero.model.transformer import NewKV, NewLatent
+
+
+@struct.dataclass
+class PagedKVCache:
+    """Per-layer key and value pages [K, P, page_size, H], the rows' block tables [B, W] (page
+    ids, int32), their lengths [B] and ``rope_len`` (as :class:`~dayzero.model.transformer.KVCache`).
+
+    Table entries past a row's last page may hold any page id: they are read (masked) but never
+    written.
+    """
+
+    k_pages: tuple[jax.Array, ...]
+    v_pages: tuple[jax.Array, ...]
+    block_tables: jax.Array
+    lengths: jax.Array
+    rope_len: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        """Positions per page."""
+        return self.k_pages[0].shape[2]
+
+    @property
+    def max_len(self) -> int:
+        """S, the positions each row's table can address."""
+        return self.block_tables.shape[1] * self.page_size
+
+    # The gathered keys stay token-major [B,K,S,H] (see ``layer``).
+    keys_token_major = True
+
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Layer ``i``'s keys and values, both [B,K,S,H], gathered from the pages once ``after``
+        (the layer's input) is computed.
+
+        Keys are not transposed to the contiguous cache's [B,K,H,S]: on XLA:CPU that transpose of
+        the gathered copy cost more than the whole attention (``attend`` reads them token-major).
+        """
+        tables = _after(self.block_tables, after)
+        return _gather_pages(self.k_pages[i], tables), _gather_pages(self.v_pages[i], tables)
+
+
+def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
+    """``block_tables`` unchanged, but computed from ``after`` too.
+
+    Without a data dependency XLA gathers every layer's pages at the start of the step, so
+    that a copy of the whole context of every row is live at once (measured: temp memory
+    growing with the number of layers); ``optimization_barrier`` does not order it on XLA:CPU.
+    min(t, t + flag) with flag in {0, 1} is t, and no simplifier folds it away.
+    """
+    if after is None:
+        return block_tables
+    flag = jnp.isnan(after.reshape(-1)[0]).astype(block_tables.dtype)
+    return jnp.minimum(block_tables, block_tables + flag)
+
+
+def _gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Each row's pages, in table order: [K,P,page,H] -> [B,K,W*page,H], or [P,page,C] -> [B,W*page,C].
+
+    One gather of whole pages (rows of page*H values), already in the output's order, so the
+    result needs no transpose. Table entries are valid page ids by construction.
+    """
+    B, W = block_tables.shape
+    if pages.ndim == 3:
+        P, page, C = pages.shape
+        return _gather_rows(pages.reshape(P, page * C), block_tables.reshape(-1)).reshape(B, W * page, C)
+    K, P, page, H = pages.shape
+    rows = jnp.arange(K, dtype=block_tables.dtype)[None, :, None] * P + block_tables[:, None, :]
+    return _gather_rows(pages.reshape(K * P, page * H), rows.reshape(-1)).reshape(B, K, W * page, H)
+
+
+def _gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
+    """``table[rows]`` for in-bounds ``rows``: a plain row gather (unsigned indices need no
+    wrap-around of negative ones, which XLA:CPU would otherwise compute for every element)."""
+    return table.at[rows.astype(jnp.uint32)].get(mode="promise_in_bounds")
+
+
+@struct.dataclass
+class PagedLatentCache:
+    """Multi-head latent attention's paged cache: per layer latent pages [P, page_size, C]
+    (and indexer key pages [P, page_size, J] with sparse attention), block tables [B, W],
+    lengths [B] and ``rope_len`` (as :class:`~dayzero.model.transformer.LatentCache`)."""
+
+    latent_pages: tuple[jax.Array, ...]
+    block_tables: jax.Array
+    lengths: jax.Array
+    rope_len: jax.Array
+    index_key_pages: tuple[jax.Array, ...] | None = None
+
+    @property
+    def page_size(self) -> int:
+        """Positions per page."""
+        return self.latent_pages[0].shape[1]
+
+    @property
+    def max_len(self) -> int:
+        """S, the positions each row's table can address."""
+        return self.block_tables.shape[1] * self.page_size
+
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages
+        once ``after`` (the layer's input) is computed."""
+        tables = _after(self.block_tables, after)
+        latent = _gather_pages(self.latent_pages[i], tables)
+        if self.index_key_pages is None:
+            return (latent,)
+        return latent, _gather_pages(self.index_key_pages[i], tables)
+
+
+def init_paged_cache(
+    config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1, dtype=jnp.float32
+) -> PagedKVCache | PagedLatentCache:
+    """A zeroed pool of ``num_pages`` pages of ``page_size`` positions per layer, with ``batch``
+    empty rows whose tables are ``table_width`` wide (replace ``block_tables`` and ``lengths``
+    to serve sequences)."""
+    tables = jnp.zeros((batch, table_width), jnp.int32)
+    lengths = jnp.zeros((batch,), jnp.int32)
+    rope_len = jnp.zeros((), jnp.int32)
+    L = config.num_layers
+    if config.mla is not None:
+        width = config.mla.kv_lora_rank + config.mla.rope_dim
+        keys = None
+        if config.dsa is not None:
+            keys = tuple(jnp.zeros((num_pages, page_size, config.dsa.head_dim), dtype) for _ in range(L))
+        latent = tuple(jnp.zeros((num_pages, page_size, width), dtype) for _ in range(L))
+        return PagedLatentCache(latent, tables, lengths, rope_len, keys)
+    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
+    return PagedKVCache(
+        k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
+        v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
+        block_tables=tables, lengths=lengths, rope_len=rope_len,
+    )
+
+
+def page_slots(block_tables: jax.Array, lengths: jax.Array, num_new: jax.Array, T: int,
+               page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+    """Where each of T new tokens per row goes: (page [B,T], slot in page [B,T]).
+
+    Token t of row b is at position ``lengths[b] + t``. Padding tokens (t >= num_new[b]) and
+    positions past the table get page ``num_pages``, out of the pool, so a write with
+    ``mode="drop"`` skips them (they must not land in a page another row owns).
+    """
+    positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    index = positions // page_size
+    W = block_tables.shape[1]
+    pages = jnp.take_along_axis(block_tables, jnp.minimum(index, W - 1), axis=1)
+    real = (jnp.arange(T)[None, :] < num_new[:, None]) & (index < W)
+    return jnp.where(real, pages, num_pages), positions % page_size
+
+
+def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLatent) -> PagedKVCache | PagedLatentCache:
+    """Write one ``forward`` call's keys/values (or latent rows) at each row's length, through its
+    block table, and advance the lengths.
+
+    Every page a real token lands in must be in the row's table (the host allocates them
+    first). Jit it with the cache donated, apart from ``forward``.
+    """
+    T = (new.latent[0] if isinstance(new, NewLatent) else new.k[0]).shape[1]
+    if isinstance(cache, PagedLatentCache):
+        num_pages = cache.latent_pages[0].shape[0]
+        pages, slots = page_slots(cache.block_tables, cache.lengths, new.num_new, T, cache.page_size, num_pages)
+
+        def write(pool, rows):  # rows [B,T,C] -> pool [P, page, C]
+            return pool.at[pages, slots].set(rows.astype(pool.dtype), mode="drop")
+
+        latent = tuple(write(p, n) for p, n in zip(cache.latent_pages, new.latent))
+        keys = None
+        if cache.index_key_pages is not None:
+            keys = tuple(write(p, n) for p, n in zip(cache.index_key_pages, new.index_keys))
+        return cache.replace(latent_pages=latent, index_key_pages=keys,
+                             lengths=cache.lengths + new.num_new, rope_len=new.rope_len)
+    num_pages = cache.k_pages[0].shape[1]
+    pages, slots = page_slots(cache.block_tables, cache.lengths, new.num_new, T, cache.page_size, num_pages)
+
+    def write_heads(pool, rows):  # rows [B,T,K,H] -> pool [K, P, page, H]
+        return pool.at[:, pages, slots].set(rows.transpose(2, 0, 1, 3).astype(pool.dtype), mode="drop")
+
+    k = tuple(write_heads(p, n) for p, n in zip(cache.k_pages, new.k))
+    v = tuple(write_heads(p, n) for p, n in zip(cache.v_pages, new.v))
+    return cache.replace(k_pages=k, v_pages=v, lengths=cache.lengths + new.num_new, rope_len=new.rope_len)
