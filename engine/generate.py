@@ -20,8 +20,9 @@ import numpy as np
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
 from dayzero.model.config import ModelConfig
+from dayzero.model.quant import KVQuant, QuantConfig, QuantError, WeightQuant, parse_kv_quant, parse_weight_quant
 from dayzero.model.transformer import KVCache, append_to_cache, forward, init_cache
-from dayzero.model.weights import Weights
+from dayzero.model.weights import Weights, abstract_weights, quantize_weights
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_LEN = 256
@@ -67,6 +68,24 @@ def default_dtype() -> jnp.dtype:
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
 
 
+def _quantized_at_load(config: ModelConfig, weights: Weights, scheme: WeightQuant, asked, model_dir: Path) -> Weights:
+    """``weights`` quantized with ``scheme`` if they are float; a quantized checkpoint is kept as
+    stored when no scheme (or auto, or its own) was asked for."""
+    from dayzero.convert.checkpoint import read_manifest, stored_quantization
+
+    stored = stored_quantization(read_manifest(model_dir)).weights
+    if stored is not WeightQuant.NONE:
+        if asked not in (None, "auto") and scheme is not stored:
+            raise QuantError(
+                f"{model_dir} is stored quantized as {stored.value}; load it without --quantize "
+                f"(or with {stored.value}), or convert the source again with --quantize {scheme.value}"
+            )
+        return weights
+    if scheme is WeightQuant.NONE:
+        return weights
+    return quantize_weights(weights, abstract_weights(config, QuantConfig(scheme)))
+
+
 class Engine:
     """A loaded model with compiled prefill/decode steps.
 
@@ -74,8 +93,10 @@ class Engine:
     >>> engine.generate("Hello", max_new_tokens=8).text      # doctest: +SKIP
     """
 
-    def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None):
+    def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None,
+                 kv_cache: KVQuant | str | None = KVQuant.NONE):
         self.config = config
+        self.kv_cache = parse_kv_quant(kv_cache)  # how the KV cache is stored (None/"auto": per platform)
         if weights.lm_head is None and jax.default_backend() == "cpu":
             # Tied embeddings: XLA:CPU's matvec against the [V,D] embedding took ~6 ms more per
             # SmolLM2 decode step than against a [D,V] copy (34 vs 40 ms), worth V*D more bytes.
@@ -91,16 +112,27 @@ class Engine:
         self._compiled: set = set()
 
     @classmethod
-    def load(cls, model_dir: str | Path | None = None, dtype=None, progress: bool = True) -> "Engine":
-        """Load a converted model directory (default: the embedded SmolLM2-135M-Instruct)."""
+    def load(cls, model_dir: str | Path | None = None, dtype=None, progress: bool = True,
+             quantize: WeightQuant | str | None = None, kv_cache: KVQuant | str | None = None) -> "Engine":
+        """Load a converted model directory (default: the embedded SmolLM2-135M-Instruct).
+
+        ``quantize``: weight quantization applied at load to a float checkpoint (none, int8, fp8,
+        fp8-block, int4; None or "auto": the platform's choice, see ``dayzero.model.quant``). A
+        checkpoint converted with ``--quantize`` is used as stored. ``kv_cache``: none, int8, fp8
+        or auto/None. Raises :class:`QuantError` for an unknown name or a scheme that differs
+        from the checkpoint's.
+        """
         from dayzero.convert import load_checkpoint
         from dayzero.engine.default_model import default_model_dir
 
+        scheme = parse_weight_quant(quantize)
+        kv = parse_kv_quant(kv_cache)
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
         config, weights = load_checkpoint(model_dir, dtype=dtype or default_dtype())
+        weights = _quantized_at_load(config, weights, scheme, quantize, model_dir)
         # A model converted without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        return cls(config, weights, tokenizer)
+        return cls(config, weights, tokenizer, kv_cache=kv)
 
     # ---- compiled pieces -------------------------------------------------------------------
 
@@ -224,7 +256,7 @@ class Engine:
         padded = -(-longest // T) * T
         # Room for every padded chunk write and for the longest row's last generated token.
         cache = init_cache(self.config, B, bucket(max(padded, longest + max_new_tokens), MIN_CACHE_LEN),
-                           self.weights.embed.dtype)
+                           self.weights.embed.dtype, self.kv_cache)
         tokens = np.zeros((B, padded), np.int32)
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from dayzero.model import dsa
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
+from dayzero.model.quant import dequantized, take_along_axis
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
 from dayzero.model.weights import MLAWeights
 
@@ -55,9 +56,9 @@ def _queries(w: MLAWeights, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Per-head queries [B,T,N,P+R] and the q LoRA latent [B,T,Q] they come from (None without
     a q LoRA; the sparse-attention indexer reads it too)."""
     if w.q is not None:
-        return jnp.einsum("btd,dnh->btnh", x, w.q), None
-    q_latent = rms_norm(x @ w.q_a, w.q_a_norm, LORA_NORM_EPS)
-    return jnp.einsum("btq,qnh->btnh", q_latent, w.q_b), q_latent
+        return jnp.einsum("btd,dnh->btnh", x, dequantized(w.q, x.dtype)), None
+    q_latent = rms_norm(x @ dequantized(w.q_a, x.dtype), w.q_a_norm, LORA_NORM_EPS)
+    return jnp.einsum("btq,qnh->btnh", q_latent, dequantized(w.q_b, x.dtype)), q_latent
 
 
 def _rope(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -71,7 +72,7 @@ def latent_rows(w: MLAWeights, config: ModelConfig, x: jax.Array,
                 cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
     """What the cache stores for tokens ``x`` [B,T,D]: [normed latent, rotated rope key] [B,T,L+R]."""
     L = config.mla.kv_lora_rank
-    kv = x @ w.kv_a
+    kv = x @ dequantized(w.kv_a, x.dtype)
     latent = rms_norm(kv[..., :L], w.kv_a_norm, LORA_NORM_EPS)
     k_rope = _rope(kv[..., None, L:], config, cos_sin)[:, :, 0]
     return jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
@@ -99,7 +100,7 @@ def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
     scores = jnp.einsum("bmc,bjc->bmj", qf, new, preferred_element_type=jnp.float32)
     mask = mask_new
     if cache is not None:
-        cache = cache.astype(q.dtype)
+        cache = dequantized(cache, q.dtype)
         s_cached = jnp.einsum("bmc,bsc->bms", qf, cache, preferred_element_type=jnp.float32)
         scores = jnp.concatenate([s_cached, scores], axis=-1)
         mask = jnp.concatenate([mask_cached, mask_new], axis=-1)
@@ -124,7 +125,7 @@ def attend_gathered(q: jax.Array, cache: jax.Array, new: jax.Array, mask_new: ja
     B, T, N, C = q.shape
     S = cache.shape[1]
     from_cache = indices < S
-    rows = jnp.take_along_axis(cache, jnp.where(from_cache, indices, 0).reshape(B, -1, 1), axis=1)
+    rows = dequantized(take_along_axis(cache, jnp.where(from_cache, indices, 0).reshape(B, -1, 1), axis=1), q.dtype)
     mask_picked = visible & from_cache  # [B,T,k]
     # Zero the rows of picks that are not visible cached ones (they read slot 0 or stale slots),
     # so that whatever those slots hold cannot leak in through 0 * inf.
@@ -173,7 +174,7 @@ def mla_block(
     m = config.mla
     q, q_lora = _queries(w, x)
     q_nope, q_rope = q[..., : m.nope_dim], _rope(q[..., m.nope_dim :], config, cos_sin)
-    q_latent = jnp.einsum("btnp,lnp->btnl", q_nope, w.k_up)  # k_up folded into the query
+    q_latent = jnp.einsum("btnp,lnp->btnl", q_nope, dequantized(w.k_up, x.dtype))  # k_up folded into the query
     q_cat = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1) * softmax_scale(config)
     new = latent_rows(w, config, x, cos_sin)
     if config.dsa is None:
@@ -184,8 +185,8 @@ def mla_block(
         added = (new, new_keys)
         attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys, masks)
     out_latent = attended[..., : m.kv_lora_rank]
-    out = jnp.einsum("btnl,lnv->btnv", out_latent, w.v_up)  # v_up applied after attention
+    out = jnp.einsum("btnl,lnv->btnv", out_latent, dequantized(w.v_up, x.dtype))  # v_up applied after attention
     B, T, N, V = out.shape
     # A flattened N*V contraction, as in transformer.attention_block (an einsum over (n, v)
     # made XLA:CPU transpose the o weight on every call).
-    return jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), w.o.reshape(N * V, -1)), added
+    return jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), dequantized(w.o, x.dtype).reshape(N * V, -1)), added

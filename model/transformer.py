@@ -27,6 +27,7 @@ from dayzero.model.config import AttentionKind, ModelConfig
 from dayzero.model.mla import mla_block
 from dayzero.model.moe import moe, swiglu
 from dayzero.model.norm import rms_norm
+from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, dequantized, empty_quantized, quantize_like
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
 
@@ -86,16 +87,26 @@ class LatentCache:
         return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32) -> KVCache | LatentCache:
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
+               kv_quant: KVQuant = KVQuant.NONE) -> KVCache | LatentCache:
     """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
-    multi-head latent attention, per-head keys and values otherwise)."""
+    multi-head latent attention, per-head keys and values otherwise).
+
+    With ``kv_quant`` each buffer is a :class:`QuantizedArray` with one scale per token and head
+    (per token for latent rows and indexer keys); it is quantized on write, dequantized on read.
+    """
+    def zeros(shape: tuple[int, ...], head_axis: int):
+        if kv_quant is KVQuant.NONE:
+            return jnp.zeros(shape, dtype)
+        return empty_quantized(shape, KV_FORMATS[kv_quant], (head_axis,))
+
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.rope_dim
         keys = None
         if config.dsa is not None:
-            keys = tuple(jnp.zeros((batch, max_len, config.dsa.head_dim), dtype) for _ in range(config.num_layers))
+            keys = tuple(zeros((batch, max_len, config.dsa.head_dim), 2) for _ in range(config.num_layers))
         return LatentCache(
-            latent=tuple(jnp.zeros((batch, max_len, width), dtype) for _ in range(config.num_layers)),
+            latent=tuple(zeros((batch, max_len, width), 2) for _ in range(config.num_layers)),
             lengths=jnp.zeros((batch,), jnp.int32),
             rope_len=jnp.zeros((), jnp.int32),
             index_keys=keys,
@@ -103,8 +114,8 @@ def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32)
     k_shape = (batch, config.num_kv_heads, config.head_dim, max_len)
     v_shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     return KVCache(
-        k=tuple(jnp.zeros(k_shape, dtype) for _ in range(config.num_layers)),
-        v=tuple(jnp.zeros(v_shape, dtype) for _ in range(config.num_layers)),
+        k=tuple(zeros(k_shape, 2) for _ in range(config.num_layers)),
+        v=tuple(zeros(v_shape, 3) for _ in range(config.num_layers)),
         lengths=jnp.zeros((batch,), jnp.int32),
         rope_len=jnp.zeros((), jnp.int32),
     )
@@ -191,9 +202,9 @@ def attention_block(
     masks: tuple[jax.Array | None, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Self-attention of ``x`` [B,T,D] over the cache; returns output and the new keys/values."""
-    q = jnp.einsum("btd,dnh->btnh", x, w.q)
-    k = jnp.einsum("btd,dkh->btkh", x, w.k)
-    v = jnp.einsum("btd,dkh->btkh", x, w.v)
+    q = jnp.einsum("btd,dnh->btnh", x, dequantized(w.q, x.dtype))
+    k = jnp.einsum("btd,dkh->btkh", x, dequantized(w.k, x.dtype))
+    v = jnp.einsum("btd,dkh->btkh", x, dequantized(w.v, x.dtype))
     if w.q_bias is not None:
         q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
     if w.q_norm is not None:
@@ -202,12 +213,12 @@ def attention_block(
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if k_cache is not None:
-        k_cache = k_cache.astype(q.dtype)
+        k_cache, v_cache = dequantized(k_cache, q.dtype), dequantized(v_cache, q.dtype)
     out = attend(q, k_cache, v_cache, k, v, masks)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
-    out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * H), w.o.reshape(N * H, -1))
+    out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * H), dequantized(w.o, x.dtype).reshape(N * H, -1))
     if w.o_bias is not None:
         out = out + w.o_bias
     return out, k, v
@@ -323,7 +334,12 @@ def forward(
 
 
 def _write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, seq_axis: int) -> jax.Array:
-    """Write ``new`` (already in the buffer's layout) into ``buffer`` at per-row start positions."""
+    """Write ``new`` (already in the buffer's layout) into ``buffer`` at per-row start positions
+    (quantized first, values and scales written alike, when the buffer is quantized)."""
+    if isinstance(buffer, QuantizedArray):
+        q = quantize_like(new, buffer)
+        return buffer.replace(values=_write_rows(buffer.values, q.values, starts, seq_axis),
+                              scale=_write_rows(buffer.scale, q.scale, starts, seq_axis))
     new = new.astype(buffer.dtype)
     if buffer.shape[0] == 1:  # a plain in-place update; the batched form lowers to a scatter
         return jax.lax.dynamic_update_slice_in_dim(buffer, new, starts[0], axis=seq_axis)
