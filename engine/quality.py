@@ -63,14 +63,18 @@ QUALITY_TEXT = (
 )
 
 
-def sequence_logits(engine: Engine, ids: list[int], chunk: int = CHUNK) -> np.ndarray:
+def sequence_logits(engine: Engine, ids: list[int], chunk: int = CHUNK, cache_len: int | None = None) -> np.ndarray:
     """fp32 logits [n, V] of every position of ``ids``, run in chunks through ``engine``'s cache
-    (its weights, dtype and KV-cache scheme)."""
+    (its weights, dtype and KV-cache scheme). ``cache_len``: the cache's length (default: the
+    next power of two); calls with one length share their compiled steps."""
     n = len(ids)
     padded = -(-n // chunk) * chunk
     tokens = np.zeros((1, padded), np.int32)
     tokens[0, :n] = ids
-    cache = init_cache(engine.config, 1, bucket(padded, 16), engine.weights.embed.dtype, engine.kv_cache)
+    cache_len = cache_len or bucket(padded, 16)
+    if cache_len < padded:
+        raise ValueError(f"cache_len {cache_len} cannot hold {n} tokens in chunks of {chunk}")
+    cache = init_cache(engine.config, 1, cache_len, engine.weights.embed.dtype, engine.kv_cache)
     out = []
     for start in range(0, padded, chunk):
         num_new = jnp.asarray([min(chunk, max(n - start, 0))], jnp.int32)
