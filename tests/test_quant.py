@@ -154,6 +154,17 @@ def test_int4_applies_to_routed_experts_only():
     assert dense.gate.fmt is ValueFormat.INT8 and specs.layers[0].attn.q.fmt is ValueFormat.INT8
 
 
+def test_shardings_derive_from_the_quantized_tree():
+    """``weight_shardings`` walks into quantized nodes: one sharding per stored values and scale
+    array (the scale's logical axes, asserted above, are its output channels')."""
+    from dayzero.sharding.rules import make_mesh, tensor_parallel, weight_shardings
+
+    specs = abstract_weights(_tiny_config(), QuantConfig(WeightQuant.INT8))
+    shardings = weight_shardings(specs, tensor_parallel(), make_mesh({}, jax.devices()[:1]))
+    assert named_leaves(shardings).keys() == named_leaves(specs).keys()
+    assert "layers/0/attn/q/scale" in named_leaves(shardings)
+
+
 @pytest.mark.parametrize("parse, bad", [(parse_weight_quant, "int3"), (parse_kv_quant, "int16")])
 def test_unknown_scheme_names_list_the_choices(parse, bad):
     with pytest.raises(QuantError, match=f"'{bad}'.*choose one of auto, none, int8, fp8"):
@@ -369,3 +380,45 @@ def test_sequence_logits_of_the_float_engine_are_one_forward(tiny_model, tiny_en
     full, _ = _forward(tiny_model.weights, tiny_model.config, jnp.asarray([ids]), None, all_logits=True)
     chunked = sequence_logits(tiny_engine, ids)
     np.testing.assert_allclose(chunked, np.asarray(full[0]), atol=1e-4 * np.abs(chunked).max())
+
+
+# ---- accuracy gates on SmolLM2-135M (slow) --------------------------------------------------------
+
+# (weights, kv cache): (max mean KL, max per-token KL, min greedy agreement, min identical prefix)
+# on QUALITY_TEXT (523 tokens) and 128 greedy tokens, against the fp32 model. Measured (the same
+# computation, bench/quant.py): int8 KL mean 2.8e-3, max 2.9e-2, agreement 1.0, prefix 1.0;
+# fp8 1.4e-2 / 0.13 / 1.0 / 1.0; fp8-block 1.3e-2 / 0.13 / 1.0 / 1.0; kv int8 1.0e-4 / 3.0e-3 /
+# 1.0 / 1.0; kv fp8 6.5e-4 / 7.9e-3 / 0.992 / 0.008. KL bounds are ~3x those. int8 weights and
+# int8 caches must keep greedy decoding: >= 97% of the 128 positions (teacher-forced), and the
+# first half of the free-running generation identical. fp8 keeps 3 mantissa bits (up to 6% per
+# weight): >= 95% agreement, and no prefix bound, since one near tie flips everything after it
+# (kv fp8 flipped the very first token, where fp32's top two logits nearly tie).
+SMOLLM2_GATES = {
+    ("int8", "none"): (1e-2, 1e-1, 0.97, 0.5),
+    ("fp8", "none"): (4e-2, 0.4, 0.95, 0.0),
+    ("fp8-block", "none"): (4e-2, 0.4, 0.95, 0.0),
+    ("none", "int8"): (5e-4, 1e-2, 0.97, 0.5),
+    ("none", "fp8"): (2e-3, 3e-2, 0.95, 0.0),
+}
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The embedded SmolLM2-135M in fp32, the quality text's ids and its 128 greedy tokens."""
+    from dayzero.engine.quality import QUALITY_TEXT, greedy_tokens
+
+    engine = Engine.load()
+    ids = engine.tokenizer.encode(QUALITY_TEXT)
+    return engine, ids, greedy_tokens(engine, ids, 128)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme, kv", list(SMOLLM2_GATES))
+def test_smollm2_accuracy_gate(smollm2, scheme, kv):
+    """Quantized SmolLM2 against fp32 on ~500 tokens of English and 128 greedy tokens."""
+    reference, ids, cont = smollm2
+    candidate = Engine.load(quantize=scheme, kv_cache=kv)
+    kl_mean, kl_max, min_agree, min_prefix = SMOLLM2_GATES[(scheme, kv)]
+    result = agreement(reference, candidate, ids, reference_tokens=cont, free_running=min_prefix > 0)
+    assert result["kl_mean"] <= kl_mean and result["kl_max"] <= kl_max, result
+    assert result["greedy_agreement"] >= min_agree and result.get("greedy_prefix", 1.0) >= min_prefix, result
