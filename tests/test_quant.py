@@ -229,6 +229,17 @@ def test_cli_generates_from_a_quantized_conversion_and_with_kv_cache_flags(tiny_
     assert len(err) == 1 and "'int3'" in err[0] and "auto, none, int8, fp8" in err[0]
 
 
+def test_bench_reports_the_schemes_and_their_bytes(tiny_model, capsys):
+    def bench(*extra):
+        assert main(["bench", "--model", str(tiny_model.dir), "--prompt-len", "16", "--new-tokens", "2",
+                     "--repeats", "1", "--json", *extra]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    fp32, int8 = bench(), bench("--quantize", "int8", "--kv-cache", "int8")
+    assert (fp32["quantize"], fp32["kv_cache"], int8["quantize"], int8["kv_cache"]) == ("none", "none", "int8", "int8")
+    assert int8["weights_mb"] < fp32["weights_mb"] and int8["kv_cache_mb"] < fp32["kv_cache_mb"] / 3
+
+
 def test_bad_quantize_name_leaves_nothing_behind(tiny_model, tmp_path):
     with pytest.raises(ConvertError, match="'int5'"):
         convert_checkpoint(tiny_model.hf_dir, tmp_path / "dst", progress=False, quantize="int5")
