@@ -30,7 +30,7 @@ CHUNK = 64
 _forward = jax.jit(forward, static_argnums=(1,), static_argnames=("all_logits",))
 _append = jax.jit(append_to_cache, donate_argnums=(0,))
 
-# About 500 tokens of ordinary English (SmolLM2's tokenizer: 497), written for these gates.
+# About 500 tokens of ordinary English (523 with SmolLM2's tokenizer), written for these gates.
 QUALITY_TEXT = (
     "Every spring the river that runs through the valley rises with the melting snow, and every "
     "spring the people of the town prepare for it in the same unhurried way. The baker moves his "

@@ -253,7 +253,7 @@ def _latent_config(topk: int | None = None) -> ModelConfig:
     """A tiny DeepSeek-V3-like attention: MLA latent cache, plus DSA indexer keys (16 index heads)
     when ``topk`` is given."""
     return _tiny_config(
-        family=Family.DEEPSEEK_V32, num_kv_heads=4, head_dim=16, attention=AttentionKind.MLA,
+        family=Family.DEEPSEEK_V32, num_layers=1, num_kv_heads=4, head_dim=16, attention=AttentionKind.MLA,
         mla=MLAConfig(q_lora_rank=32, kv_lora_rank=32, nope_dim=16, rope_dim=16, v_head_dim=16),
         dsa=None if topk is None else DSAConfig(topk=topk, heads=16, head_dim=32),
     )
@@ -271,7 +271,7 @@ def _incremental(config, weights, ids, prefill, kv):
     return np.stack(out), cache
 
 
-KV_TOL = {KVQuant.INT8: (0.02, 1.0), KVQuant.FP8: (0.15, 0.8)}
+KV_TOL = {KVQuant.INT8: (0.02, 0.9), KVQuant.FP8: (0.15, 0.8)}
 
 
 @pytest.fixture(scope="module")
@@ -298,11 +298,12 @@ def kv_reference(tiny_model):
 def test_quantized_kv_cache_prefill_then_decode(kv_reference, kind, kv):
     """Prefill 40 tokens then decode 16 one at a time with a quantized cache: every buffer (K, V,
     latent rows, indexer keys) is stored quantized with one scale per token (and head), and the
-    logits stay close to the float cache's. Measured max error / max |logits|: int8 0.95% (gqa)
-    and 0.64% (latent), asserted < 2%; fp8 (3 mantissa bits, up to 6% per element) 3.7% and 5.2%,
-    asserted < 15%. Greedy choices: all equal with int8, >= 80% with fp8 (measured 88%; random
-    tiny models have near-tied logits). "latent+index" selects every token (index_topk >= 56),
-    so that indexer ties cannot move the logits; the indexer scores are checked below."""
+    logits stay close to the float cache's. Measured max error / max |logits| (gqa, latent,
+    latent+index): int8 0.95%, 0.49%, 0.63%, asserted < 2%; fp8 (3 mantissa bits, up to 6% per
+    element) 3.7%, 3.1%, 3.5%, asserted < 15%. The argmax agreement (measured 0.88-1.0) is only a
+    sanity check, >= 90% / 80%: these random models have top-two logit gaps down to 2e-3, below
+    the error. "latent+index" selects every token (index_topk >= 56), so that indexer ties
+    cannot move the logits; the indexer scores are checked below."""
     config, weights, ids, ref = kv_reference(kind)
     ours, cache = _incremental(config, weights, ids, 40, kv)
     buffers = [b for b in jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, QuantizedArray))
