@@ -8,7 +8,11 @@ Layout of a converted checkpoint ``DST``::
     weights/globals/      Orbax StandardCheckpointer: embed, final_norm, lm_head (untied only)
     weights/layer_000/    one Orbax checkpoint per decoder layer, keys as in LayerWeights
     ...
-    manifest.json         written last: versions, source files with sha256, per-leaf checksums
+    manifest.json         written last: versions, source files with sha256, per-leaf checksums,
+                          the weight quantization ("quantization", see QuantConfig)
+
+A quantized leaf is stored as two arrays, ``attn/q/values`` and ``attn/q/scale``, as the
+quantized abstract tree (``abstract_weights(config, stored_quantization(manifest))``) declares.
 
 One checkpoint per layer is what keeps conversion streaming (one layer's arrays in memory at a
 time) and lets a loader restore group by group.
@@ -38,6 +42,7 @@ import numpy as np
 from dayzero.convert.errors import ConvertError
 from dayzero.convert.name_map import group_of, key_in_group
 from dayzero.model.config import ModelConfig
+from dayzero.model.quant import QuantConfig
 from dayzero.model.weights import Weights, abstract_weights, is_spec, leaf_path, named_leaves, shape_structs
 from dayzero.sharding.distributed import barrier, is_primary_process
 
@@ -189,6 +194,11 @@ def read_manifest(root: str | Path) -> dict[str, Any]:
     return manifest
 
 
+def stored_quantization(manifest: dict[str, Any]) -> QuantConfig:
+    """How a checkpoint's weights are stored (none for checkpoints written before quantization)."""
+    return QuantConfig.from_json(manifest.get("quantization"))
+
+
 def read_config(root: str | Path) -> ModelConfig:
     """The ``ModelConfig`` of a converted checkpoint (read before its weights, e.g. to place them)."""
     root = Path(root)
@@ -241,12 +251,14 @@ def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = 
 
     Every leaf is restored by Orbax straight into ``dtype`` (the one conversion, done at load and
     never inside jit) and placed with ``shardings`` -- a pytree matching the weight tree with a
-    ``jax.sharding.Sharding`` per leaf -- or on the default device when None.
+    ``jax.sharding.Sharding`` per leaf -- or on the default device when None. Quantized leaves
+    (a checkpoint converted with ``--quantize``) come back as ``QuantizedArray`` in their stored
+    dtypes; ``dtype`` applies to the others.
     """
     root = Path(dst)
     manifest = read_manifest(root)
     config = read_config(root)
-    specs = abstract_weights(config)
+    specs = abstract_weights(config, stored_quantization(manifest))
     groups = _checked_groups(root, manifest, specs)
     if shardings is None:
         shardings = _on_one_device(specs)
@@ -271,7 +283,7 @@ def verify_checkpoint(dst: str | Path) -> int:
     """
     root = Path(dst)
     manifest = read_manifest(root)
-    specs = abstract_weights(read_config(root))
+    specs = abstract_weights(read_config(root), stored_quantization(manifest))
     groups = _checked_groups(root, manifest, specs)
     stored = jnp.dtype(manifest["dtype"])
     # Restore in the stored dtype so the bytes hashed are the bytes written; onto one device

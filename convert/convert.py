@@ -6,6 +6,9 @@ touching the values, transform, cast to the storage dtype, check it is finite, a
 group; save the group with Orbax and drop it. Peak memory is about the largest group plus the
 largest source tensor, never the whole model.
 
+With ``quantize``, each projection the scheme quantizes is stored as ``<leaf>/values`` and
+``<leaf>/scale`` (``dayzero.convert.quantize``) and the scheme is recorded in the manifest.
+
 Everything is written into ``DST.tmp-<random>`` next to DST and renamed into place only after
 the manifest (written last) is on disk; any error or interrupt removes the temporary directory.
 """
@@ -20,19 +23,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
 from dayzero.convert.checkpoint import GroupWriter, array_sha256, file_sha256, write_manifest
 from dayzero.convert.errors import ConvertError
+from dayzero.convert.quantize import quant_config, quantized_leaf
 from dayzero.convert.name_map import (
     Combine, Recipe, check_shape, check_targets, group_of, key_in_group, plan, source_tensors,
 )
 from dayzero.convert.sources import Source, open_source
 from dayzero.model.config import ConfigError, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
-from dayzero.model.weights import abstract_weights, named_leaves
+from dayzero.model.quant import QuantConfig, QuantizedArray
+from dayzero.model.weights import abstract_weights, is_spec_node, leaf_path, named_leaves
 from dayzero.sharding.distributed import barrier, is_primary_process, shared_token
 
 STORAGE_DTYPES = {
@@ -111,14 +117,31 @@ def _groups(recipes: tuple[Recipe, ...]) -> dict[str, list[Recipe]]:
     return dict(sorted(groups.items(), key=lambda kv: kv[0] != "globals"))
 
 
+def _quantized_nodes(config: ModelConfig, quant: QuantConfig) -> dict[str, QuantizedArray]:
+    """``{leaf path: quantized spec node}`` of the leaves ``quant`` quantizes."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(abstract_weights(config, quant), is_leaf=is_spec_node)
+    return {leaf_path(path): node for path, node in flat if isinstance(node, QuantizedArray)}
+
+
+def _stored_arrays(r: Recipe, source: Source, storage: np.dtype, shape: tuple[int, ...],
+                   node: QuantizedArray | None) -> tuple[dict[str, np.ndarray], str | None]:
+    """``({suffix: array}, how)`` for one leaf: ``{"": leaf}`` unquantized (how None), else its
+    values and scale (how as ``quantized_leaf`` says)."""
+    if node is None:
+        return {"": _make_leaf(r, source, storage, shape)}, None
+    # Quantized leaves are read in float32 so that only the quantization rounds them.
+    return quantized_leaf(r, source, node, shape, lambda: _make_leaf(r, source, np.dtype(np.float32), shape))
+
+
 def _write_weights(tmp: Path, source: Source, config: ModelConfig, recipes: tuple[Recipe, ...],
-                   storage: np.dtype, progress: bool, placement: Any) -> dict[str, Any]:
+                   storage: np.dtype, progress: bool, quant: QuantConfig, placement: Any) -> dict[str, Any]:
     """Stream every group into ``tmp/weights``; return the per-leaf manifest entries.
 
     With a ``placement`` each leaf is written laid out for its mesh (see ``convert.checkpoint``).
     """
     specs = named_leaves(abstract_weights(config))
-    shardings = None if placement is None else named_leaves(placement.shardings(abstract_weights(config)))
+    nodes = _quantized_nodes(config, quant)
+    shardings = None if placement is None else named_leaves(placement.shardings(abstract_weights(config, quant)))
     entries: dict[str, Any] = {}
     writer = GroupWriter(tmp)
     bar = tqdm(total=len(recipes), unit="tensor", file=sys.stderr, disable=not progress, desc="converting")
@@ -127,24 +150,29 @@ def _write_weights(tmp: Path, source: Source, config: ModelConfig, recipes: tupl
             bar.set_postfix_str(group)
             arrays, layout = {}, {}
             for r in members:
-                y = _make_leaf(r, source, storage, specs[r.target].shape)
-                arrays[key_in_group(r.target)] = y
-                entries[r.target] = {"group": group, "shape": list(y.shape), "dtype": str(y.dtype),
+                parts, how = _stored_arrays(r, source, storage, specs[r.target].shape, nodes.get(r.target))
+                for suffix, y in parts.items():
+                    name = f"{r.target}/{suffix}" if suffix else r.target
+                    arrays[key_in_group(name)] = y
+                    entries[name] = {"group": group, "shape": list(y.shape), "dtype": str(y.dtype),
                                      "sha256": array_sha256(y),
                                      "source": r.source if len(r.sources) == 1 else list(r.sources)}
-                if shardings is not None:
-                    layout[key_in_group(r.target)] = shardings[r.target]
-                    entries[r.target]["spec"] = list(shardings[r.target].spec)
+                    if how:
+                        entries[name]["quantized"] = how
+                    if shardings is not None:
+                        layout[key_in_group(name)] = shardings[name]
+                        entries[name]["spec"] = list(shardings[name].spec)
                 bar.update()
             writer.save(group, arrays, layout if shardings is not None else None)
-            del arrays, y  # the group is on disk; let it go before reading the next one
+            del arrays, parts, y  # the group is on disk; let it go before reading the next one
     finally:
         bar.close()
         writer.close()
     return entries
 
 
-def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool, placement: Any) -> None:
+def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool, quantize: str | None,
+                  placement: Any) -> None:
     where = str(source.path)
     try:
         config = parse_hf_config(source.hf_config)
@@ -156,6 +184,7 @@ def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool, 
     recipes = plan(name_map, source.reader.keys(), source.reader.shape, where)
     _check_floating(source, recipes)
     storage = storage_dtype(dtype, source, recipes)
+    quant = quant_config(quantize, source)
     if placement is not None:
         _check_layout(config, placement)
     # In a multi-process run every process reads the source and holds its own shards, but the
@@ -167,13 +196,14 @@ def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool, 
         (tmp / "hf_config.json").write_text(json.dumps(source.hf_config, indent=1))
     tokenizer_files = source.export_tokenizer(tmp) if primary else []
     barrier("dayzero-convert-start")
-    entries = _write_weights(tmp, source, config, recipes, storage, progress and primary, placement)
+    entries = _write_weights(tmp, source, config, recipes, storage, progress and primary, quant, placement)
     if not primary:
         return
     layout = {} if placement is None else {"mesh": placement.axes, "rules": placement.rules.name}
     write_manifest(tmp, {
         **layout,
         "dtype": str(storage),
+        "quantization": quant.to_json(),
         "source": {
             "format": source.format,
             "path": str(source.path),
@@ -209,14 +239,16 @@ def _check_layout(config: ModelConfig, placement: Any) -> None:
 
 
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None,
-                       progress: bool = True, placement: Any = None) -> Path:
+                       progress: bool = True, quantize: str | None = None, placement: Any = None) -> Path:
     """Convert a source checkpoint into a new dayzero checkpoint directory; return its path.
 
     ``src``: an HF model directory (config.json + safetensors or pytorch_model.bin, sharded or
     not), a PyTorch state-dict file (.bin/.pt/.pth, with config.json beside it) or a .gguf file.
     ``dst``: a directory that must not exist yet. ``dtype``: storage dtype, one of "float32",
     "bfloat16", "float16", or None to keep the source precision (see :func:`storage_dtype`).
-    ``progress``: show a progress bar on stderr. ``placement`` (a
+    ``progress``: show a progress bar on stderr. ``quantize``: weight quantization, one of
+    none, int8, fp8, fp8-block, int4 (``dayzero.model.quant.WeightQuant``; None: none); dtype
+    then applies to the leaves left in float. ``placement`` (a
     ``dayzero.sharding.placement.Placement``): write the arrays laid out for its mesh (any mesh,
     or one device, can still load them). Raises :class:`ConvertError` (leaving no DST behind)
     for any problem with the inputs.
@@ -228,7 +260,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.parent / f"{dst.name}.tmp-{shared_token(secrets.token_hex(4))}"
     try:
-        _convert_into(tmp, source, dtype, progress, placement)
+        _convert_into(tmp, source, dtype, progress, quantize, placement)
         if is_primary_process():
             _move_into_place(tmp, dst)
     except BaseException:

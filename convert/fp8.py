@@ -9,6 +9,8 @@ last blocks of a dimension that is not a multiple of 128 are partial. The real w
 :class:`Fp8DequantReader` wraps a source reader so that such a weight reads as the dequantized
 float32 tensor and its scale disappears from the name space: the name maps, the streaming loop
 and the checks never see FP8 at all. Norms, the router and biases stay in their own dtypes.
+Converting with ``--quantize fp8-block`` reads the stored FP8 values and scales instead
+(:meth:`Fp8DequantReader.get_scaled`, used by ``dayzero.convert.quantize``) and keeps them.
 """
 
 from __future__ import annotations
@@ -30,15 +32,19 @@ def dequantize_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, in
 
     ``w`` [out, in] (FP8 or any float), ``scale_inv`` [ceil(out/bo), ceil(in/bi)].
     """
+    return w.astype(np.float32) * expand_block_scales(scale_inv, block, w.shape)
+
+
+def expand_block_scales(scale_inv: np.ndarray, block: tuple[int, int], shape: tuple[int, ...]) -> np.ndarray:
+    """float32 [out, in]: each element's block scale, from ``scale_inv`` [ceil(out/bo), ceil(in/bi)]."""
     bo, bi = block
-    out, inp = w.shape
+    out, inp = shape
     expected = (math.ceil(out / bo), math.ceil(inp / bi))
     if scale_inv.shape != expected:
-        raise ValueError(f"scales of shape {list(scale_inv.shape)} for a {list(w.shape)} weight in "
+        raise ValueError(f"scales of shape {list(scale_inv.shape)} for a {list(shape)} weight in "
                          f"{bo}x{bi} blocks; expected {list(expected)}")
     # Repeat each scale over its block, then cut the partial last blocks to the weight's size.
-    scales = np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:out, :inp]
-    return w.astype(np.float32) * scales
+    return np.repeat(np.repeat(scale_inv.astype(np.float32), bo, axis=0), bi, axis=1)[:out, :inp]
 
 
 class Fp8DequantReader:
@@ -75,15 +81,25 @@ class Fp8DequantReader:
         """float32 for dequantized weights, else the stored type."""
         return np.dtype(np.float32) if name in self._scale_of else self.inner.dtype(name)
 
-    def get(self, name: str) -> np.ndarray:
-        """One tensor; FP8 weights come back dequantized to float32."""
+    def is_scaled(self, name: str) -> bool:
+        """Whether ``name`` is an FP8 weight with block scales (read it with :meth:`get_scaled`)."""
+        return name in self._scale_of
+
+    def get_scaled(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """An FP8 weight as stored, [out, in] float8_e4m3fn, with its per-element float32 scales
+        [out, in] (each block's ``scale_inv`` repeated over the block)."""
         x = self.inner.get(name)
-        if name not in self._scale_of:
-            return x
         scale = self.inner.get(self._scale_of[name])
         if x.ndim != 2:
             raise ConvertError(f"FP8 tensor '{name}' has shape {list(x.shape)}; block scales need a 2-D weight")
         try:
-            return dequantize_blocks(x, scale, self.block)
+            return x, expand_block_scales(scale, self.block, x.shape)
         except ValueError as e:
             raise ConvertError(f"FP8 tensor '{name}': {e}; the checkpoint does not match its quantization_config") from None
+
+    def get(self, name: str) -> np.ndarray:
+        """One tensor; FP8 weights come back dequantized to float32."""
+        if name not in self._scale_of:
+            return self.inner.get(name)
+        x, scales = self.get_scaled(name)
+        return x.astype(np.float32) * scales

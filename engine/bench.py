@@ -17,6 +17,7 @@ import jax
 from dayzero.engine import peers
 from dayzero.engine.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
 from dayzero.engine.sampling import SamplingParams
+from dayzero.model.quant import KVQuant, describe_weights, stored_bytes
 from dayzero.model.transformer import init_cache
 from dayzero.engine.soak import soak
 
@@ -47,18 +48,18 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int
         "peak_rss_mb": peak_rss_mb(),
         "device_peak_mb": device_peak_mb(),
         "kv_cache_mb": kv_cache_bytes(
-            engine.config, len(prompts), len(prompts[0]) + new_tokens, engine.weights.embed.dtype
+            engine.config, len(prompts), len(prompts[0]) + new_tokens, engine.weights.embed.dtype, engine.kv_cache
         ) / 2**20,
     }
 
 
-def kv_cache_bytes(config, batch: int, length: int, dtype) -> int:
+def kv_cache_bytes(config, batch: int, length: int, dtype, kv_quant: KVQuant = KVQuant.NONE) -> int:
     """Bytes of the cache buffers for ``batch`` rows of ``length`` positions (before bucket padding).
 
     Read off the shapes ``init_cache`` would allocate (no allocation), so per-head K/V, MLA latent
-    rows and DSA indexer keys are all counted as the model stores them.
+    rows, DSA indexer keys and the scales of a quantized cache are all counted as stored.
     """
-    cache = jax.eval_shape(lambda: init_cache(config, batch, length, dtype))
+    cache = jax.eval_shape(lambda: init_cache(config, batch, length, dtype, kv_quant))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache) if x.ndim >= 3)
 
 
@@ -115,7 +116,8 @@ def make_peers(args) -> dict[str, object]:
 
 
 def _print_table(result: dict) -> None:
-    print(f"dayzero bench: {result['new_tokens']} new tokens, {result['dtype']}, {result['backend']}")
+    print(f"dayzero bench: {result['new_tokens']} new tokens, {result['dtype']}, weights {result['quantize']} "
+          f"({result['weights_mb']:.0f} MiB), kv cache {result['kv_cache']}, {result['backend']}")
     header = f"{'prompt':>7}{'batch':>6}{'ttft_s':>9}{'prefill/s':>11}{'decode/s':>10}{'compile_s':>10}{'rss_mb':>9}{'kv_mb':>8}"
     print(header)
     for r in result["runs"]:
@@ -153,10 +155,12 @@ def run_bench(args: argparse.Namespace, placement=None) -> int:
     if args.new_tokens < 2:
         raise BenchError("--new-tokens must be >= 2 to measure decoding")
     peer_map = make_peers(args)
-    engine = Engine.load(args.model, placement=placement)
+    engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
     runs = _runs(engine, args, peer_map, prompt_lens, batches)
     result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend(),
-              "mesh": None if placement is None else placement.axes}
+              "mesh": None if placement is None else placement.axes,
+              "quantize": describe_weights(engine.weights), "weights_mb": stored_bytes(engine.weights) / 2**20,
+              "kv_cache": engine.kv_cache.value}
     if args.soak:
         result["soak"] = soak(engine, args.soak_len)
     if args.plot:

@@ -14,6 +14,10 @@ from typing import Callable
 from dayzero.sharding.distributed import MeshError, ProcessGroup, initialize, parse_mesh
 
 KERNEL_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
+# Names as dayzero.model.quant's enums spell them, for --help (which should not import jax). The
+# values are checked by dayzero.model.quant, whose error names the bad value and lists these.
+CONVERT_QUANT = "none|int8|fp8|fp8-block|int4"
+KV_CACHE = "auto|none|int8|fp8"
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -31,10 +35,12 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dayzero.engine.tokenizer import TokenizerError
     from dayzero.engine.verify import VerifyError
     from dayzero.model.config import ConfigError
+    from dayzero.model.quant import QuantError
     from dayzero.sharding.planner import PlanError
 
     return (
         ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
+        QuantError,
         BenchError, PeerError, PlotError, SoakError,
         VerifyError, CheckError, LaunchError, PlanError,
     )
@@ -49,6 +55,13 @@ def _add_process_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 in a multi-host run")
     g.add_argument("--num-processes", type=int, metavar="N", help="number of processes in the run")
     g.add_argument("--process-id", type=int, metavar="I", help="this process's index in [0, N)")
+
+
+def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantize", metavar="auto|" + CONVERT_QUANT, default="auto",
+                   help="quantize a float model's weights at load (auto: the platform's fastest, fp32 on CPU)")
+    p.add_argument("--kv-cache", metavar=KV_CACHE, default="auto",
+                   help="KV-cache storage (auto: the platform's fastest, fp32 on CPU)")
 
 
 def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
@@ -114,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="HF model directory, .bin/.pt/.pth state dict, or .gguf file")
     c.add_argument("dst", help="new directory to create")
     c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="storage dtype (default: the source's)")
-    c.add_argument("--quantize", help="weight quantization (not available yet)")
+    c.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",
+                   help="store projection weights quantized (fp8-block keeps a block-FP8 source's values)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     # --mesh: write the arrays laid out (chunked) for that mesh; any mesh can load them.
     _add_mesh_arg(c)
@@ -135,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", action="store_true", help="with --json, add each token's log-probability")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
+    _add_quant_args(g)
     _add_mesh_arg(g)
     _add_process_args(g)
 
@@ -151,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--soak-len", type=int, metavar="N", help="soak up to N tokens (default: the model's context)")
     b.add_argument("--plot", metavar="PNG", help="write latency and memory against prompt length to PNG")
     b.add_argument("--json", action="store_true")
+    _add_quant_args(b)
     _add_mesh_arg(b)
     _add_process_args(b)
 
@@ -203,9 +219,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from dayzero.convert import convert_checkpoint
 
     placement = _placement(args.mesh)
-    if args.quantize:
-        raise CommandError(f"--quantize {args.quantize} is not available yet; convert without --quantize")
-    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress, placement=placement)
+    dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress,
+                             quantize=args.quantize, placement=placement)
     print(f"converted {args.src} -> {dst}", file=sys.stderr)
     return 0
 
@@ -223,7 +238,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
-    engine = Engine.load(args.model, placement=placement)
+    engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     if kernels is not KernelMode.REFERENCE:
         result = _generate_on_kernels(engine, prompt, args, sampling, kernels)

@@ -22,8 +22,9 @@ from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
 from dayzero.model.config import ModelConfig
 from dayzero.model.moe_parallel import check_expert_parallel
 from dayzero.model.parallel import Parallel
+from dayzero.model.quant import KVQuant, QuantConfig, QuantError, WeightQuant, parse_kv_quant, parse_weight_quant
 from dayzero.model.transformer import KVCache, append_to_cache, cache_specs, forward, init_cache
-from dayzero.model.weights import Weights, abstract_weights
+from dayzero.model.weights import Weights, abstract_weights, quantize_weights
 from dayzero.sharding.distributed import MeshError
 from dayzero.sharding.placement import Placement
 
@@ -87,6 +88,19 @@ def placed_weight_specs(config: ModelConfig, untied_head: bool):
     return abstract_weights(config)
 
 
+def _check_unquantized_on_mesh(model_dir: Path, scheme: WeightQuant, kv: KVQuant) -> None:
+    """Quantized weights are not laid out on meshes yet: refuse them rather than mis-shard."""
+    from dayzero.convert.checkpoint import read_manifest, stored_quantization
+
+    stored = stored_quantization(read_manifest(model_dir)).weights
+    quantized = stored if stored is not WeightQuant.NONE else scheme
+    if quantized is not WeightQuant.NONE:
+        raise QuantError(
+            f"quantized weights ({quantized.value}) cannot be "
+            "placed on a multi-device mesh yet; run them on one device (omit --mesh) or load float weights"
+        )
+
+
 def check_placement(config: ModelConfig, placement: Placement) -> None:
     """Raise MeshError when ``placement``'s mesh cannot run this model."""
     ep = placement.axes["expert"]
@@ -116,6 +130,22 @@ def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights
             (next_tokens, logprobs), parallel.placement.replicated()
         )
     return next_tokens, logprobs, new
+def _quantized_at_load(config: ModelConfig, weights: Weights, scheme: WeightQuant, asked, model_dir: Path) -> Weights:
+    """``weights`` quantized with ``scheme`` if they are float; a quantized checkpoint is kept as
+    stored when no scheme (or auto, or its own) was asked for."""
+    from dayzero.convert.checkpoint import read_manifest, stored_quantization
+
+    stored = stored_quantization(read_manifest(model_dir)).weights
+    if stored is not WeightQuant.NONE:
+        if asked not in (None, "auto") and scheme is not stored:
+            raise QuantError(
+                f"{model_dir} is stored quantized as {stored.value}; load it without --quantize "
+                f"(or with {stored.value}), or convert the source again with --quantize {scheme.value}"
+            )
+        return weights
+    if scheme is WeightQuant.NONE:
+        return weights
+    return quantize_weights(weights, abstract_weights(config, QuantConfig(scheme)))
 
 
 class Engine:
@@ -132,9 +162,10 @@ class Engine:
     """
 
     def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None,
-                 placement: Placement | None = None):
+                 placement: Placement | None = None, kv_cache: KVQuant | str | None = KVQuant.NONE):
         self.config = config
         self.placement = placement
+        self.kv_cache = parse_kv_quant(kv_cache)  # how the KV cache is stored (None/"auto": per platform)
         if placement is not None:
             check_placement(config, placement)
         if weights.lm_head is None and jax.default_backend() == "cpu":
@@ -157,26 +188,35 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, dtype=None, progress: bool = True,
-             placement: Placement | None = None) -> "Engine":
+             placement: Placement | None = None, quantize: WeightQuant | str | None = None,
+             kv_cache: KVQuant | str | None = None) -> "Engine":
         """Load a converted model directory (default: the embedded SmolLM2-135M-Instruct).
 
         With a ``placement`` every weight is restored straight into its sharding on that mesh,
-        whatever mesh the checkpoint was converted for.
+        whatever mesh the checkpoint was converted for. ``quantize``: weight quantization
+        applied at load to a float checkpoint (none, int8, fp8, fp8-block, int4; None or "auto":
+        the platform's choice, see ``dayzero.model.quant``). A checkpoint converted with
+        ``--quantize`` is used as stored. ``kv_cache``: none, int8, fp8 or auto/None. Raises
+        :class:`QuantError` for an unknown name or a scheme that differs from the checkpoint's.
         """
         from dayzero.convert import load_checkpoint
         from dayzero.convert.checkpoint import read_config
         from dayzero.engine.default_model import default_model_dir
 
+        scheme = parse_weight_quant(quantize)
+        kv = parse_kv_quant(kv_cache)
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
         shardings = None
         if placement is not None:
             config = read_config(model_dir)
             check_placement(config, placement)
+            _check_unquantized_on_mesh(model_dir, scheme, kv)
             shardings = placement.shardings(abstract_weights(config))
         config, weights = load_checkpoint(model_dir, dtype=dtype or default_dtype(), shardings=shardings)
+        weights = _quantized_at_load(config, weights, scheme, quantize, model_dir)
         # A model converted without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        return cls(config, weights, tokenizer, placement)
+        return cls(config, weights, tokenizer, placement, kv_cache=kv)
 
     # ---- placement -------------------------------------------------------------------------
 
@@ -195,7 +235,9 @@ class Engine:
         return jax.tree.map(self.placement.replicate, value)
 
     def _cache_shardings(self, batch: int, max_len: int):
-        return None if self.placement is None else self.placement.shardings(cache_specs(self.config, batch, max_len))
+        if self.placement is None:
+            return None
+        return self.placement.shardings(cache_specs(self.config, batch, max_len, self.kv_cache))
 
     # ---- compiled pieces -------------------------------------------------------------------
 
@@ -322,7 +364,8 @@ class Engine:
         T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
         padded = -(-longest // T) * T
         max_len = cache_length(longest, max_new_tokens)
-        cache = init_cache(self.config, B, max_len, self.weights.embed.dtype, self._cache_shardings(B, max_len))
+        cache = init_cache(self.config, B, max_len, self.weights.embed.dtype, self.kv_cache,
+                           self._cache_shardings(B, max_len))
         tokens = np.zeros((B, padded), np.int32)
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row

@@ -47,7 +47,7 @@ class ServingConfig:
     """Sizes of a paged serving engine. ``None`` fields take a default from the model
     (see :meth:`resolve`).
 
-    slots: sequences decoded together (the decode batch). page_size: positions per KV page.
+    slots: requests served at once (the largest decode batch). page_size: positions per KV page.
     num_pages: pages in the pool (default: room for ``max_context`` tokens, and 1024 per slot).
     max_context: longest sequence (prompt + new tokens) served (default: the model's context).
     max_chunk / min_chunk: prefill tokens per step (powers of two). chunk_budget: cap on

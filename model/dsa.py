@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.model.config import ModelConfig
+from dayzero.model.quant import dequantized
 from dayzero.model.rope import apply_rope
 from dayzero.model.weights import IndexerWeights
 
@@ -59,7 +60,7 @@ def index_scores(w: IndexerWeights, config: ModelConfig, x: jax.Array, q_latent:
     B, T = q.shape[:2]
     # Queries flattened to [B, T*I, J] (a free reshape) make the key product one plain batched
     # matmul: the 4-D einsum ran ~3x slower on XLA:CPU over a 64k-token key cache.
-    per_head = jnp.einsum("bmj,bsj->bms", q.reshape(B, T * I, J), keys.astype(q.dtype),
+    per_head = jnp.einsum("bmj,bsj->bms", q.reshape(B, T * I, J), dequantized(keys, q.dtype),
                           preferred_element_type=jnp.float32)
     per_head = jax.nn.relu(per_head * J**-0.5).reshape(B, T, I, -1)
     weights = jnp.einsum("btd,di->bti", x, w.head_weights, preferred_element_type=jnp.float32) * I**-0.5

@@ -36,6 +36,7 @@ from dayzero.model import dsa
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
 from dayzero.model.paged_decode import PagedDecodeLayer
+from dayzero.model.quant import dequantized, take_along_axis
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
 from dayzero.model.weights import MLAWeights
 
@@ -58,9 +59,9 @@ def _queries(w: MLAWeights, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
     """Per-head queries [B,T,N,P+R] and the q LoRA latent [B,T,Q] they come from (None without
     a q LoRA; the sparse-attention indexer reads it too)."""
     if w.q is not None:
-        return jnp.einsum("btd,dnh->btnh", x, w.q), None
-    q_latent = rms_norm(x @ w.q_a, w.q_a_norm, LORA_NORM_EPS)
-    return jnp.einsum("btq,qnh->btnh", q_latent, w.q_b), q_latent
+        return jnp.einsum("btd,dnh->btnh", x, dequantized(w.q, x.dtype)), None
+    q_latent = rms_norm(x @ dequantized(w.q_a, x.dtype), w.q_a_norm, LORA_NORM_EPS)
+    return jnp.einsum("btq,qnh->btnh", q_latent, dequantized(w.q_b, x.dtype)), q_latent
 
 
 def _rope(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -74,7 +75,7 @@ def latent_rows(w: MLAWeights, config: ModelConfig, x: jax.Array,
                 cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
     """What the cache stores for tokens ``x`` [B,T,D]: [normed latent, rotated rope key] [B,T,L+R]."""
     L = config.mla.kv_lora_rank
-    kv = x @ w.kv_a
+    kv = x @ dequantized(w.kv_a, x.dtype)
     latent = rms_norm(kv[..., :L], w.kv_a_norm, LORA_NORM_EPS)
     k_rope = _rope(kv[..., None, L:], config, cos_sin)[:, :, 0]
     return jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
@@ -110,7 +111,7 @@ def block_stats(qf: jax.Array, rows: jax.Array, mask: jax.Array, heads: int,
     """Softmax statistics of queries ``qf`` [B,M,C] (M = T*heads) over ``rows`` [B,S,C] under
     ``mask`` [B,T,S]. ``reduce_max`` makes the maximum a shared one (e.g. across devices)
     before the exponentials are taken."""
-    rows = rows.astype(qf.dtype)
+    rows = dequantized(rows, qf.dtype)  # a quantized cache is read back here, per block
     scores = jnp.einsum("bmc,bsc->bms", qf, rows, preferred_element_type=jnp.float32)
     scores = jnp.where(_per_head(mask, heads), scores, -jnp.inf)
     m = reduce_max(jnp.max(scores, axis=-1))
@@ -170,7 +171,7 @@ def attend_gathered(q: jax.Array, cache: jax.Array, new: jax.Array, mask_new: ja
     B, T, N, C = q.shape
     S = cache.shape[1]
     from_cache = indices < S
-    rows = jnp.take_along_axis(cache, jnp.where(from_cache, indices, 0).reshape(B, -1, 1), axis=1)
+    rows = dequantized(take_along_axis(cache, jnp.where(from_cache, indices, 0).reshape(B, -1, 1), axis=1), q.dtype)
     mask_picked = visible & from_cache  # [B,T,k]
     # Zero the rows of picks that are not visible cached ones (they read slot 0 or stale slots),
     # so that whatever those slots hold cannot leak in through 0 * inf.
@@ -225,7 +226,7 @@ def mla_block(
     m = config.mla
     q, q_lora = _queries(w, x)
     q_nope, q_rope = q[..., : m.nope_dim], _rope(q[..., m.nope_dim :], config, cos_sin)
-    q_latent = jnp.einsum("btnp,lnp->btnl", q_nope, w.k_up)  # k_up folded into the query
+    q_latent = jnp.einsum("btnp,lnp->btnl", q_nope, dequantized(w.k_up, x.dtype))  # k_up folded into the query
     q_cat = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1) * softmax_scale(config)
     new = latent_rows(w, config, x, cos_sin)
     if isinstance(layer_cache, PagedDecodeLayer):  # a decode step with the paged kernels
@@ -239,8 +240,8 @@ def mla_block(
         attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys, masks,
                                      attend)
     out_latent = attended[..., : m.kv_lora_rank]
-    out = jnp.einsum("btnl,lnv->btnv", out_latent, w.v_up)  # v_up applied after attention
+    out = jnp.einsum("btnl,lnv->btnv", out_latent, dequantized(w.v_up, x.dtype))  # v_up applied after attention
     B, T, N, V = out.shape
     # A flattened N*V contraction, as in transformer.attention_block (an einsum over (n, v)
     # made XLA:CPU transpose the o weight on every call).
-    return jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), w.o.reshape(N * V, -1)), added
+    return jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), dequantized(w.o, x.dtype).reshape(N * V, -1)), added

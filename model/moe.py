@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.model.config import MoEConfig, RouterScore
+from dayzero.model.quant import dequantized
 from dayzero.model.weights import MoEWeights
 
 
@@ -117,6 +118,7 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
 
     One implementation for the dense MLP, each routed expert and the shared experts.
     """
+    gate, up, down = (dequantized(w, x.dtype) for w in (gate, up, down))
     return (jax.nn.silu(x @ gate) * (x @ up)) @ down
 
 
@@ -128,7 +130,8 @@ def _expert_loop_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array) ->
 
     def one_expert(j, out):
         e = ids[j]
-        gate, up, down = w.gate[e], w.up[e], w.down[e]  # read once per expert, then reused
+        # read (and dequantized) once per expert, then reused by every chunk
+        gate, up, down = (dequantized(m[e], xs.dtype) for m in (w.gate, w.up, w.down))
 
         def chunk(size):
             def run(_, carry):
@@ -148,9 +151,9 @@ def _expert_loop_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array) ->
 
 def _ragged_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Grouped SwiGLU as three ``jax.lax.ragged_dot`` calls."""
-    gate = jax.lax.ragged_dot(xs, w.gate, group_sizes)
-    up = jax.lax.ragged_dot(xs, w.up, group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w.down, group_sizes)
+    gate = jax.lax.ragged_dot(xs, dequantized(w.gate, xs.dtype), group_sizes)
+    up = jax.lax.ragged_dot(xs, dequantized(w.up, xs.dtype), group_sizes)
+    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, dequantized(w.down, xs.dtype), group_sizes)
 
 
 def grouped_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array,

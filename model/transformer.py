@@ -19,6 +19,7 @@ the read and the in-place write stay copy-free.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -33,6 +34,7 @@ from dayzero.model.moe_parallel import moe_expert_parallel
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.model.paged_decode import PagedDecodeCache, PagedDecodeLayer
+from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, dequantized, quantize_like, scale_shape
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.weights import (
     AttentionWeights, Init, LayerWeights, MLPWeights, MoEWeights, ParamSpec, Weights, map_specs,
@@ -103,51 +105,69 @@ class LatentCache:
         return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
 
 
-def cache_specs(config: ModelConfig, batch: int, max_len: int) -> KVCache | LatentCache:
+def cache_specs(config: ModelConfig, batch: int, max_len: int,
+                kv_quant: KVQuant = KVQuant.NONE) -> KVCache | LatentCache:
     """The cache declared abstractly: a :class:`ParamSpec` (shape, logical axes) at every leaf.
 
     Like ``abstract_weights`` for the weights, this one tree gives the cache's shapes
     (:func:`init_cache`) and its shardings (``dayzero.sharding.rules.weight_shardings``). The
     latent cache has no head axis, so its positions carry their own logical axis
     (``latent_seq``) that a strategy may split where per-head caches keep ``cache_seq`` whole.
+    With ``kv_quant`` each buffer is a :class:`QuantizedArray` of stored values and one fp32
+    scale per token and head (per token for latent rows and indexer keys): quantized on write,
+    dequantized on read.
     """
-    lengths = ParamSpec((batch,), ("batch",), Init.ZEROS)
-    rope_len = ParamSpec((), (), Init.ZEROS)
+    def buffer(shape: tuple[int, ...], axes: tuple[str | None, ...], channel_axis: int):
+        spec = ParamSpec(shape, axes, Init.ZEROS)
+        if kv_quant is KVQuant.NONE:
+            return spec
+        fmt = KV_FORMATS[kv_quant]
+        scale_axes = tuple(None if i == channel_axis else a for i, a in enumerate(axes))
+        scale = ParamSpec(scale_shape(shape, (channel_axis,), None), scale_axes, Init.ONES, jnp.dtype(jnp.float32))
+        return QuantizedArray(dataclasses.replace(spec, dtype=fmt.dtype), scale, fmt, (channel_axis,), None)
+
+    lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
+    rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
     layers = range(config.num_layers)
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.rope_dim
-        latent = ParamSpec((batch, max_len, width), ("batch", "latent_seq", None), Init.ZEROS)
+        latent = buffer((batch, max_len, width), ("batch", "latent_seq", None), 2)
         keys = None
         if config.dsa is not None:
-            key = ParamSpec((batch, max_len, config.dsa.head_dim), ("batch", "latent_seq", None), Init.ZEROS)
+            key = buffer((batch, max_len, config.dsa.head_dim), ("batch", "latent_seq", None), 2)
             keys = tuple(key for _ in layers)
         return LatentCache(latent=tuple(latent for _ in layers), lengths=lengths, rope_len=rope_len, index_keys=keys)
     K, H = config.num_kv_heads, config.head_dim
-    k = ParamSpec((batch, K, H, max_len), ("batch", "kv_heads", "head_dim", "cache_seq"), Init.ZEROS)
-    v = ParamSpec((batch, K, max_len, H), ("batch", "kv_heads", "cache_seq", "head_dim"), Init.ZEROS)
+    k = buffer((batch, K, H, max_len), ("batch", "kv_heads", "head_dim", "cache_seq"), 2)
+    v = buffer((batch, K, max_len, H), ("batch", "kv_heads", "cache_seq", "head_dim"), 3)
     return KVCache(k=tuple(k for _ in layers), v=tuple(v for _ in layers), lengths=lengths, rope_len=rope_len)
 
 
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32, shardings=None) -> KVCache | LatentCache:
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
+               kv_quant: KVQuant = KVQuant.NONE, shardings=None) -> KVCache | LatentCache:
     """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
-    multi-head latent attention, per-head keys and values otherwise), placed by ``shardings``
-    (a matching tree of shardings, e.g. from :func:`cache_specs`) when given."""
+    multi-head latent attention, per-head keys and values otherwise; quantized with
+    ``kv_quant``), placed by ``shardings`` (a matching tree of shardings, e.g. from
+    :func:`cache_specs`) when given."""
     if shardings is None:
-        return _empty_cache(config, batch, max_len, dtype)
+        return _empty_cache(config, batch, max_len, dtype, kv_quant)
     # Sharded: made in place on each device (no host copy, and no cross-process transfer when
     # the mesh spans several processes).
-    return _sharded_cache_maker(shardings)(config, batch, max_len, dtype)
+    return _sharded_cache_maker(shardings)(config, batch, max_len, dtype, kv_quant)
 
 
-def _empty_cache(config: ModelConfig, batch: int, max_len: int, dtype) -> KVCache | LatentCache:
-    cache = map_specs(lambda s: jnp.zeros(s.shape, dtype), cache_specs(config, batch, max_len))
-    return cache.replace(lengths=jnp.zeros((batch,), jnp.int32), rope_len=jnp.zeros((), jnp.int32))
+def _empty_cache(config: ModelConfig, batch: int, max_len: int, dtype, kv_quant: KVQuant) -> KVCache | LatentCache:
+    def empty(s: ParamSpec) -> jax.Array:
+        fill = jnp.ones if s.init is Init.ONES else jnp.zeros
+        return fill(s.shape, s.dtype or dtype)
+
+    return map_specs(empty, cache_specs(config, batch, max_len, kv_quant))
 
 
 @functools.lru_cache(maxsize=64)
 def _sharded_cache_maker(shardings):
     # One jitted maker per sharding tree, so a second request of the same shape does not compile.
-    return jax.jit(_empty_cache, static_argnums=(0, 1, 2, 3), out_shardings=shardings)
+    return jax.jit(_empty_cache, static_argnums=(0, 1, 2, 3, 4), out_shardings=shardings)
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:
@@ -241,9 +261,9 @@ def attention_block(
     A :class:`PagedDecodeLayer` cache (a decode step with the paged kernels) is read in place
     instead; the new keys/values are written into its pages first, and the written (key pages,
     value pages) are returned in their place."""
-    q = jnp.einsum("btd,dnh->btnh", x, w.q)
-    k = jnp.einsum("btd,dkh->btkh", x, w.k)
-    v = jnp.einsum("btd,dkh->btkh", x, w.v)
+    q = jnp.einsum("btd,dnh->btnh", x, dequantized(w.q, x.dtype))
+    k = jnp.einsum("btd,dkh->btkh", x, dequantized(w.k, x.dtype))
+    v = jnp.einsum("btd,dkh->btkh", x, dequantized(w.v, x.dtype))
     if w.q_bias is not None:
         q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
     if w.q_norm is not None:
@@ -256,12 +276,12 @@ def attention_block(
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
         if k_cache is not None:
-            k_cache = k_cache.astype(q.dtype)
+            k_cache, v_cache = dequantized(k_cache, q.dtype), dequantized(v_cache, q.dtype)
         out, new = attend(q, k_cache, v_cache, k, v, masks, keys_token_major), (k, v)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
-    out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * H), w.o.reshape(N * H, -1))
+    out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * H), dequantized(w.o, x.dtype).reshape(N * H, -1))
     if w.o_bias is not None:
         out = out + w.o_bias
     return out, new
@@ -395,7 +415,12 @@ def forward(
 
 
 def _write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, seq_axis: int) -> jax.Array:
-    """Write ``new`` (already in the buffer's layout) into ``buffer`` at per-row start positions."""
+    """Write ``new`` (already in the buffer's layout) into ``buffer`` at per-row start positions
+    (quantized first, values and scales written alike, when the buffer is quantized)."""
+    if isinstance(buffer, QuantizedArray):
+        q = quantize_like(new, buffer)
+        return buffer.replace(values=_write_rows(buffer.values, q.values, starts, seq_axis),
+                              scale=_write_rows(buffer.scale, q.scale, starts, seq_axis))
     new = new.astype(buffer.dtype)
     if buffer.shape[0] == 1:  # a plain in-place update; the batched form lowers to a scatter
         return jax.lax.dynamic_update_slice_in_dim(buffer, new, starts[0], axis=seq_axis)

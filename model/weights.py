@@ -3,6 +3,10 @@
 ``abstract_weights(config)`` returns the tree with a :class:`ParamSpec` at every leaf (shape,
 logical axes, initializer). Everything else is derived from it: random init, the
 ``jax.ShapeDtypeStruct`` restore target, the shardings and the converter's shape checks.
+
+``abstract_weights(config, quant)`` puts a :class:`~dayzero.model.quant.QuantizedArray` of two
+specs (stored values, float32 scale) in place of each projection the scheme quantizes, so the
+same derivations cover quantized checkpoints.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ import numpy as np
 from flax import struct
 
 from dayzero.model.config import ModelConfig
+from dayzero.model.quant import (
+    INT4_GROUP, QuantConfig, QuantizedArray, ValueFormat, WeightQuant, quantize, scale_shape,
+)
 
 
 class Init(enum.Enum):
@@ -31,12 +38,19 @@ class Init(enum.Enum):
 class ParamSpec:
     """Abstract parameter: shape, logical axis names (one per dim) and initializer.
 
+    ``dtype``: the stored dtype when fixed (quantized values, scales); None means the model's
+    dtype, chosen at load. ``in_axes``: for a projection weight that weight quantization applies
+    to, the axes contracted with the activation (one scale per output channel); None for every
+    other tensor (norms, biases, router, indexer, embedding, output head).
+
     Deliberately not a pytree node, so ``jax.tree.map`` treats it as a leaf.
     """
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
     init: Init = Init.NORMAL
+    dtype: Any = None
+    in_axes: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if len(self.shape) != len(self.axes):
@@ -137,14 +151,17 @@ class Weights:
     lm_head: Any = None  # [D,V]
 
 
+IN0 = (0,)  # a projection whose first axis is its input: one scale per the other axes
+
+
 def _attention_specs(c: ModelConfig) -> AttentionWeights:
     D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     bias = lambda *shape_axes: ParamSpec(*shape_axes, init=Init.ZEROS)  # noqa: E731
     return AttentionWeights(
-        q=ParamSpec((D, N, H), ("embed", "q_heads", "head_dim")),
-        k=ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
-        v=ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
-        o=ParamSpec((N, H, D), ("q_heads", "head_dim", "embed")),
+        q=ParamSpec((D, N, H), ("embed", "q_heads", "head_dim"), in_axes=IN0),
+        k=ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), in_axes=IN0),
+        v=ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), in_axes=IN0),
+        o=ParamSpec((N, H, D), ("q_heads", "head_dim", "embed"), in_axes=(0, 1)),
         q_bias=bias((N, H), ("q_heads", "head_dim")) if c.qkv_bias else None,
         k_bias=bias((K, H), ("kv_heads", "head_dim")) if c.qkv_bias else None,
         v_bias=bias((K, H), ("kv_heads", "head_dim")) if c.qkv_bias else None,
@@ -159,15 +176,16 @@ def _mla_specs(c: ModelConfig) -> MLAWeights:
     Q, L, P, R, V = m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_head_dim
     lora = Q is not None
     return MLAWeights(
-        kv_a=ParamSpec((D, L + R), ("embed", None)),
+        kv_a=ParamSpec((D, L + R), ("embed", None), in_axes=IN0),
         kv_a_norm=ParamSpec((L,), ("latent",), Init.ONES),
-        k_up=ParamSpec((L, N, P), ("latent", "q_heads", "head_dim")),
-        v_up=ParamSpec((L, N, V), ("latent", "q_heads", "head_dim")),
-        o=ParamSpec((N, V, D), ("q_heads", "head_dim", "embed")),
-        q=None if lora else ParamSpec((D, N, P + R), ("embed", "q_heads", "head_dim")),
-        q_a=ParamSpec((D, Q), ("embed", None)) if lora else None,
+        # k_up/v_up come from HF's kv_b_proj [N*(P+V), L]: L is its input, whatever the einsum.
+        k_up=ParamSpec((L, N, P), ("latent", "q_heads", "head_dim"), in_axes=IN0),
+        v_up=ParamSpec((L, N, V), ("latent", "q_heads", "head_dim"), in_axes=IN0),
+        o=ParamSpec((N, V, D), ("q_heads", "head_dim", "embed"), in_axes=(0, 1)),
+        q=None if lora else ParamSpec((D, N, P + R), ("embed", "q_heads", "head_dim"), in_axes=IN0),
+        q_a=ParamSpec((D, Q), ("embed", None), in_axes=IN0) if lora else None,
         q_a_norm=ParamSpec((Q,), (None,), Init.ONES) if lora else None,
-        q_b=ParamSpec((Q, N, P + R), (None, "q_heads", "head_dim")) if lora else None,
+        q_b=ParamSpec((Q, N, P + R), (None, "q_heads", "head_dim"), in_axes=IN0) if lora else None,
         indexer=None if c.dsa is None else _indexer_specs(c),
     )
 
@@ -187,9 +205,9 @@ def _indexer_specs(c: ModelConfig) -> IndexerWeights:
 def _mlp_specs(c: ModelConfig, F: int) -> MLPWeights:
     D = c.hidden_size
     return MLPWeights(
-        gate=ParamSpec((D, F), ("embed", "ffw")),
-        up=ParamSpec((D, F), ("embed", "ffw")),
-        down=ParamSpec((F, D), ("ffw", "embed")),
+        gate=ParamSpec((D, F), ("embed", "ffw"), in_axes=IN0),
+        up=ParamSpec((D, F), ("embed", "ffw"), in_axes=IN0),
+        down=ParamSpec((F, D), ("ffw", "embed"), in_axes=IN0),
     )
 
 
@@ -199,9 +217,9 @@ def _moe_specs(c: ModelConfig) -> MoEWeights:
     return MoEWeights(
         # The router's expert axis is left unsharded: every token needs all E scores for its top-k.
         router=ParamSpec((D, E), ("embed", None)),
-        gate=ParamSpec((E, D, F), ("experts", "embed", "ffw")),
-        up=ParamSpec((E, D, F), ("experts", "embed", "ffw")),
-        down=ParamSpec((E, F, D), ("experts", "ffw", "embed")),
+        gate=ParamSpec((E, D, F), ("experts", "embed", "ffw"), in_axes=(1,)),
+        up=ParamSpec((E, D, F), ("experts", "embed", "ffw"), in_axes=(1,)),
+        down=ParamSpec((E, F, D), ("experts", "ffw", "embed"), in_axes=(1,)),
         score_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.score_bias else None,
         shared=_mlp_specs(c, shared * F) if shared else None,
     )
@@ -217,15 +235,71 @@ def _layer_specs(c: ModelConfig, i: int) -> LayerWeights:
     )
 
 
-def abstract_weights(config: ModelConfig) -> Weights:
-    """The weight tree with a :class:`ParamSpec` at every leaf."""
+def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> Weights:
+    """The weight tree with a :class:`ParamSpec` at every leaf; with ``quant``, a
+    :class:`QuantizedArray` of a values spec and a scale spec at each quantized projection."""
     D, V = config.hidden_size, config.vocab_size
-    return Weights(
+    specs = Weights(
         embed=ParamSpec((V, D), ("vocab", "embed")),
         layers=tuple(_layer_specs(config, i) for i in range(config.num_layers)),
         final_norm=ParamSpec((D,), ("embed",), Init.ONES),
         lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
     )
+    if quant is None or quant.weights is WeightQuant.NONE:
+        return specs
+    return map_specs(lambda s: _quantized_spec(s, quant), specs)
+
+
+def _leaf_scheme(spec: ParamSpec, quant: QuantConfig) -> tuple[ValueFormat, tuple[int, int] | None]:
+    """(stored format, block or None for per-channel) of one quantized projection."""
+    scheme = quant.weights
+    if scheme is WeightQuant.INT4:
+        # int4 only for routed experts (most of an MoE's bytes, and each token reads few of
+        # them); per-channel int4 is too coarse, hence groups of inputs per output channel.
+        return (ValueFormat.INT4, (INT4_GROUP, 1)) if spec.axes[0] == "experts" else (ValueFormat.INT8, None)
+    if scheme is WeightQuant.FP8_BLOCK:
+        return ValueFormat.FP8, tuple(quant.block)
+    return (ValueFormat.INT8 if scheme is WeightQuant.INT8 else ValueFormat.FP8), None
+
+
+def _quantized_spec(spec: ParamSpec, quant: QuantConfig) -> ParamSpec | QuantizedArray:
+    if spec.in_axes is None:
+        return spec
+    fmt, block = _leaf_scheme(spec, quant)
+    if block is None:
+        scale_axes = tuple(None if i in spec.in_axes else a for i, a in enumerate(spec.axes))
+    else:  # block scales are tiny (one per block); only their batch (expert) axes are split
+        scale_axes = spec.axes[: spec.in_axes[0]] + (None, None)
+    return QuantizedArray(
+        values=dataclasses.replace(spec, dtype=fmt.dtype),
+        scale=ParamSpec(scale_shape(spec.shape, spec.in_axes, block), scale_axes, Init.ONES, jnp.dtype(jnp.float32)),
+        fmt=fmt, in_axes=spec.in_axes, block=block,
+    )
+
+
+def is_spec_node(x: Any) -> bool:
+    """``is_leaf`` predicate stopping at a :class:`ParamSpec` or a quantized spec node."""
+    return isinstance(x, (ParamSpec, QuantizedArray))
+
+
+def float_specs(specs: Any) -> Any:
+    """The spec tree with each quantized node replaced by the float spec it quantizes."""
+    def one(s):
+        return dataclasses.replace(s.values, dtype=None) if isinstance(s, QuantizedArray) else s
+    return jax.tree.map(one, specs, is_leaf=is_spec_node)
+
+
+_quantize = jax.jit(quantize, static_argnums=(1, 2, 3))
+
+
+def quantize_weights(weights: Any, specs: Any) -> Any:
+    """``weights`` with each float leaf quantized where ``specs`` (``abstract_weights(config,
+    quant)``) has a quantized node; leaves already quantized are kept."""
+    def one(spec, w):
+        if isinstance(spec, QuantizedArray) and not isinstance(w, QuantizedArray):
+            return _quantize(w, spec.fmt, spec.in_axes, spec.block)
+        return w
+    return jax.tree.map(one, specs, weights, is_leaf=is_spec_node)
 
 
 def is_spec(x: Any) -> bool:
@@ -260,16 +334,22 @@ def named_leaves(tree: Any) -> dict[str, Any]:
 
 
 def shape_structs(specs: Any, dtype: Any, shardings: Any = None) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves (with shardings if given), e.g. as an Orbax restore target."""
+    """``jax.ShapeDtypeStruct`` leaves (with shardings if given), e.g. as an Orbax restore target.
+
+    ``dtype`` is for the leaves whose spec leaves it open; quantized values and scales keep theirs.
+    """
     if shardings is None:
-        return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs)
+        return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype or dtype), specs)
     return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), specs, shardings, is_leaf=is_spec
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype or dtype, sharding=sh), specs, shardings, is_leaf=is_spec
     )
 
 
 def init_weights(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: float = 0.02) -> Any:
-    """Random weights for tests and benchmarks: N(0, scale) matrices, ones for norms, zero biases."""
+    """Random weights for tests and benchmarks: N(0, scale) matrices, ones for norms, zero biases
+    (drawn in float, then quantized where ``specs`` has quantized nodes)."""
+    quantized = specs
+    specs = float_specs(specs)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
 
@@ -280,9 +360,9 @@ def init_weights(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: fl
             return jnp.zeros(spec.shape, dtype)
         return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
 
-    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+    return quantize_weights(jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)]), quantized)
 
 
 def parameter_count(specs: Any) -> int:
-    """Total number of parameters in a spec tree."""
-    return int(sum(np.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec)))
+    """Total number of parameters in a spec tree (a quantized one counts its float parameters)."""
+    return int(sum(np.prod(s.shape) for s in jax.tree.leaves(float_specs(specs), is_leaf=is_spec)))

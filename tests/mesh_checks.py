@@ -146,7 +146,7 @@ def gathered_shapes(engine: Engine, batch: int, max_len: int) -> list[str]:
 
     from dayzero.model.transformer import init_cache
 
-    cache = init_cache(engine.config, batch, max_len, jnp.float32, engine._cache_shardings(batch, max_len))
+    cache = init_cache(engine.config, batch, max_len, jnp.float32, shardings=engine._cache_shardings(batch, max_len))
     mode, rows = batch_sampling([SamplingParams()] * batch)
     host = engine._host
     text = engine._decode.lower(engine.weights, host(np.zeros((batch, 1), np.int32)), host(np.ones(batch, np.int32)),

@@ -239,10 +239,12 @@ def test_convert_missing_src(tmp_path, capsys):
     assert not (tmp_path / "dst").exists()
 
 
-def test_convert_mesh_and_quantize_refused(tiny_model, tmp_path, capsys):
-    for extra, fragment in ((["--mesh", "tensor=2"], "tensor=2"), (["--quantize", "int8"], "int8")):
+def test_convert_mesh_and_bad_quantize_refused(tiny_model, tmp_path, capsys):
+    for extra, fragments in ((["--mesh", "tensor=2"], ("tensor=2",)),
+                             (["--quantize", "int3"], ("'int3'", "int8, fp8, fp8-block, int4")),
+                             (["--quantize", "auto"], ("'auto'", "none, int8"))):
         rc, out, err = _run(["convert", tiny_model.hf_dir, tmp_path / "dst", "--no-progress", *extra], capsys)
-        _assert_one_line_error(rc, out, err, fragment)
+        _assert_one_line_error(rc, out, err, *fragments)
         assert not (tmp_path / "dst").exists()
 
 

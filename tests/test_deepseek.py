@@ -198,6 +198,18 @@ def test_mscale_and_interleave_are_effective(case, change):
     assert np.abs(np.asarray(logits) - case.hf_long).max() > 100 * REL_TOL * np.abs(case.hf_long).max()
 
 
+@pytest.mark.parametrize("case, scheme, kv", [
+    ("q_lora", "fp8-block", "none"), ("q_lora", "none", "int8"),
+    *(pytest.param("q_lora", s, k, marks=pytest.mark.slow)
+      for s, k in (("int8", "none"), ("fp8", "none"), ("int4", "none"), ("none", "fp8"))),
+], indirect=["case"])
+def test_quantized_model_against_hf(case, scheme, kv, quantized_vs_hf):
+    """Quantized weights or latent cache against HF fp32: KL over the 500-token prompt and greedy
+    agreement over HF's 32 tokens, within conftest.MOE_GATES (bounds justified there)."""
+    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
+    quantized_vs_hf(case.config, case.weights, scheme, kv, case.long_ids, case.hf_long, prompt, _hf_greedy(case, prompt))
+
+
 # ---- the latent cache ------------------------------------------------------------------------------
 
 
@@ -341,11 +353,9 @@ def _is_fp8_linear(name: str) -> bool:
     return name.endswith(("_proj.weight", "_proj_with_mqa.weight"))
 
 
-@pytest.mark.parametrize("case", ["q_lora"], indirect=True)
-def test_fp8_checkpoint_converts_to_dequantized_weights(case, tmp_path):
-    """Linear weights stored as FP8 + weight_scale_inv (16x24 blocks, so the tiny projections have
-    several blocks, partial ones included) convert to exactly the dequantized weights."""
-    block = (16, 24)
+def _fp8_source(case, dst, block: tuple[int, int]):
+    """A copy of the case's checkpoint with its linear weights in DeepSeek's block FP8 ([out, in]
+    blocks); returns it and the exact dequantized weights by source name."""
     reference = {}
 
     def quantize(tensors):
@@ -359,7 +369,14 @@ def test_fp8_checkpoint_converts_to_dequantized_weights(case, tmp_path):
         raw["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                       "weight_block_size": list(block)}
 
-    src = _copy_hf(case, tmp_path / "fp8", config_edit=fp8_config, tensors_edit=quantize)
+    return _copy_hf(case, dst, config_edit=fp8_config, tensors_edit=quantize), reference
+
+
+@pytest.mark.parametrize("case", ["q_lora"], indirect=True)
+def test_fp8_checkpoint_converts_to_dequantized_weights(case, tmp_path):
+    """Linear weights stored as FP8 + weight_scale_inv (16x24 blocks, so the tiny projections have
+    several blocks, partial ones included) convert to exactly the dequantized weights."""
+    src, reference = _fp8_source(case, tmp_path / "fp8", (16, 24))
     assert len(reference) > 20
     convert_checkpoint(src, tmp_path / "dz", progress=False)
     _, fp8_weights = load_checkpoint(tmp_path / "dz", dtype=jnp.float32)
@@ -375,6 +392,62 @@ def test_fp8_checkpoint_converts_to_dequantized_weights(case, tmp_path):
     save_file(tensors, dst / "model.safetensors")
     with pytest.raises(ConvertError, match=name.removesuffix("_scale_inv").replace(".", r"\.")):
         convert_checkpoint(dst, tmp_path / "dz_bad", progress=False)
+
+
+@pytest.mark.parametrize("case", ["q_lora"], indirect=True)
+def test_fp8_checkpoint_kept_native_with_fp8_block(case, tmp_path):
+    """``--quantize fp8-block`` keeps a block-FP8 checkpoint's e4m3 values and block scales: with
+    [16 out, 24 in] blocks every quantized leaf maps block to block (each head's 16 key rows of
+    kv_b_proj are one block), the stored bytes are the source's transposed, and the weights
+    dequantize to exactly those of the dequantizing conversion."""
+    from dayzero.model.quant import QuantizedArray, dequantized
+
+    src, _ = _fp8_source(case, tmp_path / "fp8", (16, 24))
+    convert_checkpoint(src, tmp_path / "native", progress=False, quantize="fp8-block")
+    manifest = json.loads((tmp_path / "native" / "manifest.json").read_text())
+    assert manifest["quantization"] == {"weights": "fp8-block", "block": [24, 16]}
+    kept = {n: e["quantized"] for n, e in manifest["tensors"].items() if "quantized" in e}
+    assert len(kept) > 40 and set(kept.values()) == {"fp8-native"}
+    _, native = load_checkpoint(tmp_path / "native")
+    q_a = native.layers[0].attn.q_a
+    stored = load_file(src / "model.safetensors")
+    assert isinstance(q_a, QuantizedArray) and q_a.values.dtype == jnp.float8_e4m3fn
+    source_q_a = stored["model.layers.0.self_attn.q_a_proj.weight"].view(torch.uint8).numpy()
+    np.testing.assert_array_equal(np.asarray(q_a.values).view(np.uint8), source_q_a.T)
+    np.testing.assert_array_equal(np.asarray(q_a.scale), stored["model.layers.0.self_attn.q_a_proj.weight_scale_inv"].numpy().T)
+    convert_checkpoint(src, tmp_path / "deq", progress=False)
+    _, dequantized_weights = load_checkpoint(tmp_path / "deq")
+    as_float = jax.tree.map(lambda x: dequantized(x, jnp.float32), native,
+                            is_leaf=lambda x: isinstance(x, QuantizedArray))
+    _assert_same_weights(dequantized_weights, as_float)
+
+
+@pytest.mark.parametrize("case", ["q_lora"], indirect=True)
+def test_fp8_blocks_that_do_not_map_are_requantized(case, tmp_path):
+    """With [24 out, 16 in] source blocks a block of k_up/v_up would mix rows of two source blocks
+    (each head has 16 key then 16 value rows): those two leaves are dequantized and quantized
+    again in [16 in, 24 out] blocks (within e4m3's rounding of the source's values), the rest is
+    kept exactly."""
+    from dayzero.model.quant import QuantizedArray, dequantized
+
+    src, _ = _fp8_source(case, tmp_path / "fp8", (24, 16))
+    convert_checkpoint(src, tmp_path / "native", progress=False, quantize="fp8-block")
+    tensors = json.loads((tmp_path / "native" / "manifest.json").read_text())["tensors"]
+    how = {n.rsplit("/", 2)[-2]: e["quantized"] for n, e in tensors.items() if n.endswith("/values")}
+    assert how.pop("k_up") == how.pop("v_up") == "quantized" and set(how.values()) == {"fp8-native"}
+    convert_checkpoint(src, tmp_path / "deq", progress=False)
+    native, deq = load_checkpoint(tmp_path / "native")[1], load_checkpoint(tmp_path / "deq")[1]
+    for layer, ref_layer in zip(native.layers, deq.layers):
+        for name in ("k_up", "v_up", "q_b", "o"):
+            q, ref = getattr(layer.attn, name), np.asarray(getattr(ref_layer.attn, name))
+            assert isinstance(q, QuantizedArray) and q.block == (16, 24)
+            ours = np.asarray(dequantized(q, jnp.float32))
+            if name in ("k_up", "v_up"):
+                scale = np.asarray(dequantized(q.replace(values=jnp.ones(q.shape, jnp.float32)), jnp.float32))
+                assert (np.abs(ours - ref) <= 2.0**-4 * np.abs(ref) + 2.0**-10 * scale * (1 + 1e-6)).all()
+                assert not np.array_equal(ours, ref)  # really requantized
+            else:
+                np.testing.assert_array_equal(ours, ref)
 
 
 # ---- config parsing ---------------------------------------------------------------------------------

@@ -177,6 +177,27 @@ def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     assert err <= STEP_REL_TOL * np.abs(full).max(), f"{case.name}: {err:.3g}"
 
 
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("case, scheme, kv", [
+    ("mixtral", "int8", "none"), ("qwen3_moe", "int4", "none"), ("qwen3_moe_step", "none", "int8"),
+    *(pytest.param(name, s, k, marks=SLOW) for name in CASES
+      for s, k in (("int8", "none"), ("fp8", "none"), ("fp8-block", "none"), ("int4", "none"),
+                   ("none", "int8"), ("none", "fp8"))
+      if (name, s, k) not in (("mixtral", "int8", "none"), ("qwen3_moe", "int4", "none"),
+                              ("qwen3_moe_step", "none", "int8"))),
+], indirect=["case"])
+def test_quantized_model_against_hf(case, scheme, kv, quantized_vs_hf):
+    """Quantized weights or KV cache against HF fp32: KL over the 500-token prompt and greedy
+    agreement over HF's 32 tokens, within conftest.MOE_GATES (bounds justified there)."""
+    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
+    with torch.no_grad():
+        hf_tokens = case.hf.generate(torch.from_numpy(prompt.astype(np.int64)), do_sample=False,
+                                     max_new_tokens=NEW, min_new_tokens=NEW)[0, SHORT:].tolist()
+    quantized_vs_hf(case.config, case.weights, scheme, kv, case.long_ids, case.hf_long, prompt, hf_tokens)
+
+
 # ---- module-level parity: router and MoE block ----------------------------------------------------
 
 

@@ -1,0 +1,144 @@
+"""Quantization schemes side by side on the embedded SmolLM2-135M, in one run.
+
+For each scheme: decode and prefill speed (``dayzero bench``'s measurement), checkpoint bytes on
+disk and its tensors' bytes uncompressed (the embedded GGUF converted with ``--quantize``/
+``--dtype``; the fp32 row is the cached default conversion), bytes of the weights (including the
+[D,V] output-head copy the CPU engine makes of a tied embedding) and of a full-context
+(8192-token) KV cache on the device, and accuracy against fp32 on a ~500-token English text (``dayzero.engine.quality``:
+mean / max per-token KL, teacher-forced greedy agreement over 128 tokens, and the identical
+prefix of free-running greedy generation).
+
+    DAYZERO_CACHE=/tmp/dzcache python bench/quant.py [--schemes fp32,bf16,int8,...]
+        [--prompt-len 128] [--new-tokens 32] [--repeats 2] [--json]
+
+Schemes: fp32, bf16 (weights and cache in bfloat16), int8, fp8, fp8-block, int4 (weights; int4
+only changes MoE experts, so on dense SmolLM2 it is int8), kv-int8, kv-fp8 (fp32 weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from dayzero.convert import convert_checkpoint
+from dayzero.engine import Engine
+from dayzero.engine.bench import bench_engine, kv_cache_bytes
+from dayzero.engine.default_model import default_gguf_path, default_model_dir
+from dayzero.engine.measure import bench_prompt
+from dayzero.engine.quality import QUALITY_TEXT, agreement, greedy_tokens
+from dayzero.model.quant import describe_weights, stored_bytes
+
+SCHEMES = ("fp32", "bf16", "int8", "fp8", "fp8-block", "int4", "kv-int8", "kv-fp8")
+FULL_CONTEXT = 8192
+
+
+def _disk_bytes(path: Path) -> int:
+    """Bytes of a converted checkpoint's weights folder on disk (``du``: what the files occupy)."""
+    return int(subprocess.run(["du", "-sb", str(path / "weights")], capture_output=True, text=True,
+                              check=True).stdout.split()[0])
+
+
+def _tensor_bytes(path: Path) -> int:
+    """Bytes of a checkpoint's tensors as stored, uncompressed (shapes and dtypes of its manifest).
+
+    The disk figure is smaller for float checkpoints: Orbax compresses its chunks, and SmolLM2's
+    weights come from a 4-bit GGUF, so each fp32 block holds few distinct values.
+    """
+    tensors = json.loads((path / "manifest.json").read_text())["tensors"]
+    return sum(math.prod(t["shape"]) * np.dtype(getattr(ml_dtypes, t["dtype"], t["dtype"])).itemsize
+               for t in tensors.values())
+
+
+def _checkpoint(scheme: str, tmp: Path) -> Path:
+    """The converted checkpoint a scheme loads: the default fp32 one, or a new conversion."""
+    if scheme in ("fp32", "kv-int8", "kv-fp8"):
+        return default_model_dir()
+    dst = tmp / scheme
+    if scheme == "bf16":
+        convert_checkpoint(default_gguf_path(), dst, dtype="bfloat16", progress=False)
+    else:
+        convert_checkpoint(default_gguf_path(), dst, quantize=scheme, progress=False)
+    return dst
+
+
+def _engine(scheme: str, checkpoint: Path) -> Engine:
+    if scheme == "bf16":
+        return Engine.load(checkpoint, dtype=jnp.bfloat16)
+    kv = scheme.removeprefix("kv-") if scheme.startswith("kv-") else "none"
+    return Engine.load(checkpoint, quantize="auto", kv_cache=kv)
+
+
+def measure(scheme: str, reference: Engine, text: list[int], reference_tokens: list[int], args, tmp: Path) -> dict:
+    """One row of the table."""
+    checkpoint = _checkpoint(scheme, tmp)
+    engine = reference if scheme == "fp32" else _engine(scheme, checkpoint)
+    prompts = bench_prompt(engine.config.vocab_size, args.prompt_len, 1, engine.eos_ids)
+    speed = bench_engine(engine, prompts, args.new_tokens, args.repeats)
+    row = {
+        "scheme": scheme,
+        "weights": describe_weights(engine.weights),
+        "kv_cache": engine.kv_cache.value if scheme != "bf16" else "bfloat16",
+        "decode_tok_s": speed["decode_tok_s"],
+        "prefill_tok_s": speed["prefill_tok_s"],
+        "compile_s": speed["compile_s"],
+        "disk_mb": _disk_bytes(checkpoint) / 2**20,
+        "tensor_mb": _tensor_bytes(checkpoint) / 2**20,
+        "device_weights_mb": stored_bytes(engine.weights) / 2**20,
+        "kv_cache_mb_8k": kv_cache_bytes(engine.config, 1, FULL_CONTEXT, engine.weights.embed.dtype,
+                                         engine.kv_cache) / 2**20,
+    }
+    if scheme != "fp32":
+        row.update(agreement(reference, engine, text, free_running=True, reference_tokens=reference_tokens))
+    if checkpoint.parent == tmp:
+        shutil.rmtree(checkpoint)
+    return row
+
+
+def _print(rows: list[dict]) -> None:
+    print(f"SmolLM2-135M on {jax.default_backend()}, {len(QUALITY_TEXT.split())}-word text, 128 greedy tokens")
+    print(f"{'scheme':>10}{'decode/s':>10}{'prefill/s':>11}{'disk MB':>9}{'tensor MB':>10}{'weights MB':>11}{'kv8k MB':>9}"
+          f"{'KL mean':>10}{'KL max':>9}{'agree':>7}{'prefix':>8}  stored as")
+    for r in rows:
+        acc = (f"{r['kl_mean']:>10.2e}{r['kl_max']:>9.2e}{r['greedy_agreement']:>7.3f}{r['greedy_prefix']:>8.3f}"
+               if "kl_mean" in r else f"{'-':>10}{'-':>9}{'-':>7}{'-':>8}")
+        print(f"{r['scheme']:>10}{r['decode_tok_s']:>10.1f}{r['prefill_tok_s']:>11.1f}{r['disk_mb']:>9.1f}{r['tensor_mb']:>10.1f}"
+              f"{r['device_weights_mb']:>11.1f}{r['kv_cache_mb_8k']:>9.1f}{acc}  {r['weights']}, kv {r['kv_cache']}")
+
+
+def main() -> None:
+    """Measure every scheme asked for, in this order, in this one process."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    schemes = [s for s in args.schemes.split(",") if s]
+    unknown = [s for s in schemes if s not in SCHEMES]
+    if unknown:
+        p.error(f"unknown scheme {unknown[0]!r}; choose from {', '.join(SCHEMES)}")
+    reference = Engine.load(default_model_dir())
+    text = reference.tokenizer.encode(QUALITY_TEXT)
+    reference_tokens = greedy_tokens(reference, text, 128)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scheme in ["fp32"] + [s for s in schemes if s != "fp32"]:
+            rows.append(measure(scheme, reference, text, reference_tokens, args, Path(tmp)))
+            if args.json:
+                print(json.dumps(rows[-1]), flush=True)
+    _print(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Quantized weights and caches: int8 / FP8 / int4 values with float32 scales, dequantized on read.
+
+A :class:`QuantizedArray` stands where a float array would in the weight tree or the KV cache. It
+holds the stored ``values`` and their ``scale`` (real value = values * scale), plus static
+metadata saying how the scale is laid out:
+
+- channel layout (``block`` None): one scale per position outside ``in_axes``; the scale has the
+  values' rank with size 1 on ``in_axes``. For a weight, ``in_axes`` are the axes contracted with
+  the activation (one scale per output channel, symmetric absmax / qmax); for a KV cache they are
+  the head dimension (one scale per token and head).
+- block layout (``block`` = (bi, bo)): the leaf is seen as a matrix [*batch, In, Out] (batch = the
+  axes before ``in_axes``, In = the ``in_axes``, Out = the rest, flattened), with one scale per
+  [bi, bo] block, scale shape [*batch, ceil(In/bi), ceil(Out/bo)]; the last blocks of a dimension
+  may be partial (DeepSeek's FP8 checkpoints have them, e.g. 576 = 4.5 x 128 rows).
+
+Forward code reads every weight and cached array through :func:`dequantized`, which returns the
+compute-dtype array (a plain array is only cast). Dequantizing right before the contraction is
+what XLA:GPU/TPU fuse into the matmul's operand read. XLA:CPU does not (measured on SmolLM2 shapes,
+one decode matvec: [576 x 1536] 0.08 ms fp32 against 0.18 ms int8; [576 x 49152] 4.7 ms against
+38-63 ms; its int8 x int8 and bf16 dots were as slow), so on CPU quantization saves memory, not
+time, and ``auto`` picks no quantization there (see :data:`AUTO_WEIGHTS`).
+
+Why not Google's qwix: its core ``QArray`` (qvalue, scale, static qtype) is close to this type, but
+(a) its scale tiles must divide every dimension, so DeepSeek's partial 128 x 128 blocks would need
+padding of the stored weights; (b) it has no notion of which axes a weight contracts, which our
+abstract specs need to derive scale shapes, logical axes and restore targets from one tree; (c) its
+PTQ path intercepts Flax modules, and dayzero's model is pure functions over a typed pytree; (d) its
+quantized dot_general does not help XLA:CPU (its int8 x int8 dot measured 84 ms against 3.3 ms for
+the fp32 [576 x 49152] matvec). What remains is absmax quantization and a broadcast multiply, which
+is shorter than the adapter a dependency would need.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+class QuantError(ValueError):
+    """An unknown quantization scheme, or one that does not fit the checkpoint."""
+
+
+class ValueFormat(enum.Enum):
+    """How quantized values are stored, with the largest magnitude they represent."""
+
+    INT8 = "int8"  # symmetric [-127, 127]: -128 unused, so that negation is exact
+    FP8 = "float8_e4m3fn"  # e4m3: 3 mantissa bits, largest finite 448
+    INT4 = "int4"  # symmetric [-7, 7]
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The stored element type."""
+        return jnp.dtype({"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "int4": jnp.int4}[self.value])
+
+    @property
+    def qmax(self) -> float:
+        """The magnitude a block's absmax is mapped to."""
+        return {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0}[self.value]
+
+
+class WeightQuant(enum.Enum):
+    """Weight quantization schemes (``dayzero convert --quantize``, ``Engine.load(quantize=)``).
+
+    Applied to the projections of attention (q/k/v/o, MLA's q/kv LoRA and up-projections), dense
+    MLPs, shared and routed experts; never to norms, biases, routers, the DSA indexer, the
+    embedding or the output head (see ``weights.ParamSpec.in_axes``).
+    """
+
+    NONE = "none"
+    INT8 = "int8"  # per output channel, absmax / 127
+    FP8 = "fp8"  # e4m3 per output channel, absmax / 448
+    FP8_BLOCK = "fp8-block"  # e4m3 per [in, out] block (128 x 128, or a native FP8 checkpoint's)
+    INT4 = "int4"  # routed experts int4 in groups of INT4_GROUP inputs per output; the rest int8
+
+
+class KVQuant(enum.Enum):
+    """KV-cache quantization (``--kv-cache``, ``Engine.load(kv_cache=)``): one scale per token and
+    head (per token for MLA latent rows and DSA indexer keys)."""
+
+    NONE = "none"
+    INT8 = "int8"
+    FP8 = "fp8"
+
+
+AUTO = "auto"
+INT4_GROUP = 128  # inputs per int4 scale: the usual group-wise size for 4-bit weights
+FP8_BLOCK = (128, 128)  # [in, out] block of fp8-block when the source does not dictate one
+
+# What "auto" means per platform (jax.default_backend()), chosen from measurements. On CPU
+# (bench/quant.py, SmolLM2-135M, 128-token prompt, one shared 2-core run) fp32 decoded 19.3 tok/s,
+# int8 weights 3.5, fp8 6.2, fp8-block 4.9, bf16 1.3: XLA:CPU materialises the dequantized weight
+# instead of fusing it into the matmul. An int8 / fp8 KV cache was as fast as fp32 at that length,
+# but at a 2000-token prompt decoded 15.2 / 6.2 tok/s against 23.6 (the whole cache is converted
+# each step). So auto keeps fp32 weights and cache on CPU: quantization there buys memory only.
+# GPU/TPU have not been measured yet; until they are, auto does not quantize there either.
+AUTO_WEIGHTS = {"cpu": WeightQuant.NONE}
+AUTO_KV = {"cpu": KVQuant.NONE}
+
+
+def _parse(kind: type[enum.Enum], name: Any, auto: dict, what: str, allow_auto: bool) -> Any:
+    if isinstance(name, kind):
+        return name
+    if name is None or (allow_auto and name == AUTO):
+        return auto.get(jax.default_backend(), kind("none"))
+    choices = ([AUTO] if allow_auto else []) + [k.value for k in kind]
+    try:
+        return kind(name)
+    except ValueError:
+        raise QuantError(f"{what} {name!r} is not a known scheme; choose one of {', '.join(choices)}") from None
+
+
+def parse_weight_quant(name: str | WeightQuant | None, allow_auto: bool = True) -> WeightQuant:
+    """The :class:`WeightQuant` named ``name`` ("auto"/None: the platform's choice)."""
+    return _parse(WeightQuant, name, AUTO_WEIGHTS, "weight quantization", allow_auto)
+
+
+def parse_kv_quant(name: str | KVQuant | None) -> KVQuant:
+    """The :class:`KVQuant` named ``name`` ("auto"/None: the platform's choice)."""
+    return _parse(KVQuant, name, AUTO_KV, "KV-cache quantization", True)
+
+
+KV_FORMATS = {KVQuant.INT8: ValueFormat.INT8, KVQuant.FP8: ValueFormat.FP8}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """How a checkpoint's weights are quantized (recorded in its manifest).
+
+    ``block``: the [in, out] block of ``FP8_BLOCK`` (a native FP8 checkpoint's own block,
+    transposed to dayzero's input-first layout, else :data:`FP8_BLOCK`).
+    """
+
+    weights: WeightQuant = WeightQuant.NONE
+    block: tuple[int, int] = FP8_BLOCK
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-serialisable dict that :meth:`from_json` reads back."""
+        return {"weights": self.weights.value, "block": list(self.block)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any] | None) -> "QuantConfig":
+        """Inverse of :meth:`to_json`; None (a checkpoint written before quantization) is none."""
+        if not d:
+            return cls()
+        return cls(WeightQuant(d["weights"]), tuple(d.get("block", FP8_BLOCK)))
+
+
+@struct.dataclass
+class QuantizedArray:
+    """Stored ``values`` and float32 ``scale`` of one array; see the module docstring for layouts."""
+
+    values: Any
+    scale: Any
+    fmt: ValueFormat = struct.field(pytree_node=False)
+    in_axes: tuple[int, ...] = struct.field(pytree_node=False)
+    block: tuple[int, int] | None = struct.field(pytree_node=False, default=None)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the array it stands for."""
+        return tuple(self.values.shape)
+
+    @property
+    def ndim(self) -> int:
+        """Its rank."""
+        return len(self.values.shape)
+
+    def __getitem__(self, index) -> "QuantizedArray":
+        """One slice along the leading axis (e.g. one expert of a stack), still quantized."""
+        if not self.in_axes or self.in_axes[0] == 0:
+            raise TypeError(f"axis 0 of a {self.shape} quantized array shares its scales; it cannot be indexed")
+        return QuantizedArray(self.values[index], self.scale[index], self.fmt,
+                              tuple(a - 1 for a in self.in_axes), self.block)
+
+
+def scale_shape(shape: tuple[int, ...], in_axes: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """The scale's shape for values of ``shape`` (see the module docstring)."""
+    if block is None:
+        return tuple(1 if i in in_axes else n for i, n in enumerate(shape))
+    batch, n_in, n_out = matrix_dims(shape, in_axes)
+    return (*batch, math.ceil(n_in / block[0]), math.ceil(n_out / block[1]))
+
+
+def matrix_dims(shape: tuple[int, ...], in_axes: tuple[int, ...]) -> tuple[tuple[int, ...], int, int]:
+    """(batch shape, In, Out) of the block layout's matrix view of an array of ``shape``."""
+    first, last = in_axes[0], in_axes[-1]
+    if tuple(in_axes) != tuple(range(first, last + 1)):
+        raise ValueError(f"block scales need contiguous input axes, got {in_axes}")
+    return tuple(shape[:first]), math.prod(shape[first : last + 1]), math.prod(shape[last + 1 :])
+
+
+def _expand_blocks(scale: jax.Array, block: tuple[int, int], n_in: int, n_out: int) -> jax.Array:
+    """Block scales [..., nI, nO] repeated to one per element [..., In, Out] (partial blocks cut)."""
+    s = jnp.repeat(jnp.repeat(scale, block[0], axis=-2), block[1], axis=-1)
+    return s[..., :n_in, :n_out]
+
+
+def _dequantize(x: QuantizedArray) -> jax.Array:
+    values = x.values.astype(jnp.float32)
+    if x.block is None:
+        return values * x.scale
+    batch, n_in, n_out = matrix_dims(x.shape, x.in_axes)
+    matrix = values.reshape(*batch, n_in, n_out) * _expand_blocks(x.scale, x.block, n_in, n_out)
+    return matrix.reshape(x.shape)
+
+
+def dequantized(x: Any, dtype: Any) -> jax.Array:
+    """The array ``x`` stands for, in ``dtype``: the one way forward code reads a weight or a
+    cached array. A plain array is only cast (a no-op when it already is ``dtype``)."""
+    if isinstance(x, QuantizedArray):
+        return _dequantize(x).astype(dtype)
+    return x.astype(dtype)
+
+
+def _to_values(scaled: jax.Array, fmt: ValueFormat) -> jax.Array:
+    """Values already divided by their scale (|scaled| <= qmax) in the stored format."""
+    if fmt is ValueFormat.FP8:
+        return scaled.astype(fmt.dtype)  # round to nearest e4m3; within +-448 by construction
+    return jnp.clip(jnp.round(scaled), -fmt.qmax, fmt.qmax).astype(fmt.dtype)
+
+
+def _safe_scale(absmax: jax.Array, fmt: ValueFormat) -> jax.Array:
+    # An all-zero channel or block gets scale 1 (its values are 0 whatever the scale).
+    return jnp.where(absmax > 0, absmax / fmt.qmax, 1.0).astype(jnp.float32)
+
+
+def quantize(x: jax.Array, fmt: ValueFormat, in_axes: tuple[int, ...],
+             block: tuple[int, int] | None = None) -> QuantizedArray:
+    """Symmetric absmax quantization of ``x`` in the layout given by ``in_axes`` and ``block``."""
+    x = jnp.asarray(x, jnp.float32)
+    in_axes = tuple(in_axes)
+    if block is None:
+        scale = _safe_scale(jnp.max(jnp.abs(x), axis=in_axes, keepdims=True), fmt)
+        return QuantizedArray(_to_values(x / scale, fmt), scale, fmt, in_axes, None)
+    batch, n_in, n_out = matrix_dims(x.shape, in_axes)
+    bi, bo = block
+    ni, no = math.ceil(n_in / bi), math.ceil(n_out / bo)
+    matrix = x.reshape(*batch, n_in, n_out)
+    pad = [(0, 0)] * len(batch) + [(0, ni * bi - n_in), (0, no * bo - n_out)]
+    blocks = jnp.pad(jnp.abs(matrix), pad).reshape(*batch, ni, bi, no, bo)
+    scale = _safe_scale(jnp.max(blocks, axis=(-3, -1)), fmt)
+    values = _to_values(matrix / _expand_blocks(scale, block, n_in, n_out), fmt)
+    return QuantizedArray(values.reshape(x.shape), scale, fmt, in_axes, tuple(block))
+
+
+def quantize_like(x: jax.Array, like: QuantizedArray) -> QuantizedArray:
+    """``x`` quantized with ``like``'s format and layout (e.g. new keys for a quantized cache)."""
+    return quantize(x, like.fmt, like.in_axes, like.block)
+
+
+def empty_quantized(shape: tuple[int, ...], fmt: ValueFormat, in_axes: tuple[int, ...]) -> QuantizedArray:
+    """A zero array in channel layout (an empty quantized cache buffer)."""
+    return QuantizedArray(jnp.zeros(shape, fmt.dtype), jnp.ones(scale_shape(shape, in_axes, None), jnp.float32),
+                          fmt, tuple(in_axes), None)
+
+
+def take_along_axis(x: Any, indices: jax.Array, axis: int) -> Any:
+    """``jnp.take_along_axis`` that keeps a channel-layout quantized array quantized (its scale
+    has size 1 on the axes the indices broadcast over)."""
+    if not isinstance(x, QuantizedArray):
+        return jnp.take_along_axis(x, indices, axis=axis)
+    if x.block is not None or axis in x.in_axes:
+        raise ValueError("take_along_axis reads whole rows of a channel-layout quantized array only")
+    return x.replace(values=jnp.take_along_axis(x.values, indices, axis=axis),
+                     scale=jnp.take_along_axis(x.scale, indices, axis=axis))
+
+
+def stored_bytes(tree: Any) -> int:
+    """Bytes of every array in a tree (weights or cache) as JAX holds them, quantized values and
+    scales included (JAX reports one byte per int4 element)."""
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def describe_weights(tree: Any) -> str:
+    """The stored formats of a weight tree's quantized leaves, e.g. "int8" or "int4/128x1+int8"
+    ("none" when nothing is quantized), for reports."""
+    nodes = [x for x in jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
+             if isinstance(x, QuantizedArray)]
+    names = {x.fmt.value + ("" if x.block is None else f"/{x.block[0]}x{x.block[1]}") for x in nodes}
+    return "+".join(sorted(names)) or "none"
