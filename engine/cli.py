@@ -77,12 +77,38 @@ def _placement(text: str | None):
     return placement_from_text(text)
 
 
-def _check_kernels(choice: str) -> None:
-    if choice in ("pallas", "pallas_interpret"):
-        raise CommandError(
-            f"--kernels {choice} is not available yet: this version has only the reference "
-            "attention; use --kernels auto or --kernels reference"
-        )
+def _resolve_kernels(choice: str, mesh: str | None):
+    """The concrete ``--kernels`` mode generation runs, and its ``describe`` record for --json.
+
+    A mode that cannot run here is the kernels' one-line error. The paged kernels serve one
+    device: with --mesh, ``auto`` means reference and an explicit kernel mode is refused.
+    """
+    from dayzero.kernels import KernelError, KernelMode, describe
+
+    try:
+        info = describe(choice)
+    except KernelError as e:
+        raise CommandError(str(e)) from None
+    mode = KernelMode(info["resolved"])
+    if mesh is not None and mode is not KernelMode.REFERENCE:
+        if choice != "auto":
+            raise CommandError(f"--kernels {choice} runs on one device, not on --mesh {mesh}; "
+                               "drop --mesh or use --kernels reference")
+        mode, info = KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
+    return mode, info
+
+
+def _generate_on_kernels(engine, prompt, args: argparse.Namespace, sampling, mode):
+    """One request through the paged serving engine, whose decode steps read the KV pages with
+    the paged attention kernels (``Engine.generate`` runs the contiguous cache's reference
+    attention); prefill runs the reference path either way."""
+    from dayzero.engine.serving import ServingConfig, ServingEngine
+
+    ids = engine._prompt_ids(prompt, args.chat)
+    engine._check_length(ids, args.max_new_tokens)
+    context = max(2, min(len(ids) + args.max_new_tokens, engine.config.max_position_embeddings))
+    server = ServingEngine(engine, ServingConfig(slots=1, max_context=context, kernels=mode))
+    return server.run([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)[0]
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -204,25 +230,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dayzero.engine.generate import Engine
     from dayzero.engine.sampling import SamplingParams
 
+    from dayzero.kernels import KernelMode
+
     placement = _placement(args.mesh)
-    _check_kernels(args.kernels)
+    kernels, kernels_info = _resolve_kernels(args.kernels, args.mesh)
     if args.logprobs and not args.json:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
     engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
-    result = engine.generate(
-        prompt,
-        max_new_tokens=args.max_new_tokens,
-        sampling=sampling,
-        chat=args.chat,
-        logprobs=args.logprobs,
-        on_text=stream,
-    )
+    if kernels is not KernelMode.REFERENCE:
+        result = _generate_on_kernels(engine, prompt, args, sampling, kernels)
+        if stream is not None:
+            stream(0, result.text)
+    else:
+        result = engine.generate(
+            prompt,
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            chat=args.chat,
+            logprobs=args.logprobs,
+            on_text=stream,
+        )
     if args.json:
         out = result.to_json()
-        out["kernels"] = "reference"
+        out["kernels"] = kernels_info
         print(json.dumps(out))
     else:
         print()

@@ -36,7 +36,8 @@ import numpy as np
 from dayzero.engine.generate import GenerationError, bucket
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
 from dayzero.model.config import ModelConfig
-from dayzero.model.paged_cache import append_to_pages, init_paged_cache
+from dayzero.kernels import KernelMode, resolve_mode
+from dayzero.model.paged_cache import append_to_pages, decode_view, init_paged_cache, with_decoded
 from dayzero.model.transformer import forward
 from dayzero.model.weights import Weights
 
@@ -52,7 +53,10 @@ class ServingConfig:
     max_chunk / min_chunk: prefill tokens per step (powers of two). chunk_budget: cap on
     chunk tokens x attended positions per prefill step (bounds its attention memory).
     min_table_pages: narrowest block table read (a power of two). prefix_cache: reuse the
-    pages of a shared prompt prefix.
+    pages of a shared prompt prefix. kernels: how decode steps attend (``--kernels``; resolved
+    for the platform by :meth:`resolve`): reference gathers each row's pages, pallas and
+    pallas_interpret read them in place with the paged kernels (``dayzero.model.paged_decode``);
+    prefill chunks always take the reference path.
     """
 
     slots: int = 8
@@ -64,6 +68,7 @@ class ServingConfig:
     chunk_budget: int = 1 << 21
     min_table_pages: int = 4
     prefix_cache: bool = True
+    kernels: KernelMode | str = KernelMode.AUTO
 
     def __post_init__(self):
         checks = [
@@ -95,7 +100,12 @@ class ServingConfig:
             raise GenerationError(
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
-        return dataclasses.replace(self, max_context=context, num_pages=pages)
+        kernels = resolve_mode(self.kernels)
+        if kernels is not KernelMode.REFERENCE and model.dsa is not None:
+            raise GenerationError(
+                f"--kernels {kernels.value} cannot serve sparse attention (DeepSeek-V3.2's indexer): "
+                "the paged kernels attend densely; use --kernels reference")
+        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=kernels)
 
     # ---- shape policy (on a resolved config) ----------------------------------------------------
 
@@ -172,6 +182,13 @@ def _forward_logits(weights, tokens, num_new, cache, *, config):
 _append = jax.jit(append_to_pages, donate_argnums=(0,))
 
 
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("view",))
+def _decode_in_place(weights, tokens, view, *, config):
+    # One jit for the forward and the page writes, with the pool donated: each layer writes the
+    # new token into its pages before the kernel reads them (see dayzero.model.paged_decode).
+    return forward(weights, config, tokens, view, view.num_new)
+
+
 @dataclasses.dataclass
 class RowParams:
     """Sampling parameters of a batch's rows as host arrays (one entry per row)."""
@@ -230,10 +247,27 @@ class PagedSteps:
         ``width``: the table width the attention reads (None: nothing cached, read nothing).
         """
         self.shapes_run.add((*tokens.shape, width))
+        if self.decodes_in_place(tokens.shape[1], width):
+            return self._decode_in_place(tokens, num_new, lengths, tables, width)
         logits, new = _forward_logits(self.weights, *self.forward_args(tokens, num_new, lengths, tables, width),
                                       config=self.config)
         self.pool = _append(self.pool.replace(block_tables=jnp.asarray(tables, jnp.int32),
                                               lengths=jnp.asarray(lengths, jnp.int32)), new)
+        return logits
+
+    def decodes_in_place(self, T: int, width: int | None) -> bool:
+        """Whether a step of T tokens per row reading ``width`` table pages runs on the paged
+        kernels (decode steps with a kernel mode) rather than the gathered reference path."""
+        return self.serving.kernels is not KernelMode.REFERENCE and T == 1 and width is not None
+
+    def _decode_in_place(self, tokens, num_new, lengths, tables, width) -> jax.Array:
+        """``run`` for a decode step on the paged kernels: forward and page writes in one call."""
+        read = self.pool.replace(block_tables=jnp.asarray(tables[:, :width], jnp.int32),
+                                 lengths=jnp.asarray(lengths, jnp.int32))
+        view = decode_view(read, jnp.asarray(num_new, jnp.int32), self.serving.kernels,
+                           tuple(self.config.sliding_windows))
+        logits, view = _decode_in_place(self.weights, jnp.asarray(tokens, jnp.int32), view, config=self.config)
+        self.pool = with_decoded(self.pool, view)
         return logits
 
     def forward_args(self, tokens, num_new, lengths, tables, width) -> tuple:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from dayzero.model import dsa
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
+from dayzero.model.paged_decode import PagedDecodeLayer
 from dayzero.model.quant import dequantized, take_along_axis
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
 from dayzero.model.weights import MLAWeights
@@ -216,7 +217,9 @@ def mla_block(
     ``(latent rows [B,S,L+R],)``, plus the indexer keys [B,S,J] with sparse attention.
 
     Returns the output [B,T,D] and what ``append_to_cache`` adds, in the same order: the new
-    latent rows [B,T,L+R] (and indexer keys [B,T,J]). ``attend``: dense latent attention with
+    latent rows [B,T,L+R] (and indexer keys [B,T,J]). A :class:`PagedDecodeLayer` cache (a
+    decode step with the paged kernels) is read in place, the new rows written into its pages
+    first; the written pages are returned in their place. ``attend``: dense latent attention with
     ``attend_latent``'s signature (``dayzero.model.mla_parallel`` swaps in a version for a
     cache split over devices); sparse attention uses it where it scans the cache densely.
     """
@@ -226,7 +229,9 @@ def mla_block(
     q_latent = jnp.einsum("btnp,lnp->btnl", q_nope, dequantized(w.k_up, x.dtype))  # k_up folded into the query
     q_cat = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1) * softmax_scale(config)
     new = latent_rows(w, config, x, cos_sin)
-    if config.dsa is None:
+    if isinstance(layer_cache, PagedDecodeLayer):  # a decode step with the paged kernels
+        attended, added = layer_cache.attend_latent(q_cat, new, m.kv_lora_rank)
+    elif config.dsa is None:
         added = (new,)
         attended = attend(q_cat, None if layer_cache is None else layer_cache[0], new, masks)
     else:

@@ -18,6 +18,8 @@ attention blocks take (K and V [B,K,S,H], keys token-major unlike the contiguous
 paged kernel reads the pages in place.
 ``append_to_pages`` writes what ``forward`` returns into the pages (jit it apart from
 ``forward``, with the cache donated, for the reason the transformer module docstring gives).
+With a kernel mode, a decode step reads the pages in place instead: ``decode_view`` wraps the
+cache for it and ``with_decoded`` takes the written pages back (``dayzero.model.paged_decode``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
+from dayzero.model.paged_decode import PagedDecodeCache, page_slots, write_head_rows, write_rows
 from dayzero.model.transformer import NewKV, NewLatent
+
+__all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "page_slots", "append_to_pages",
+           "decode_view", "with_decoded"]
 
 
 @struct.dataclass
@@ -161,22 +168,6 @@ def init_paged_cache(
     )
 
 
-def page_slots(block_tables: jax.Array, lengths: jax.Array, num_new: jax.Array, T: int,
-               page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
-    """Where each of T new tokens per row goes: (page [B,T], slot in page [B,T]).
-
-    Token t of row b is at position ``lengths[b] + t``. Padding tokens (t >= num_new[b]) and
-    positions past the table get page ``num_pages``, out of the pool, so a write with
-    ``mode="drop"`` skips them (they must not land in a page another row owns).
-    """
-    positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    index = positions // page_size
-    W = block_tables.shape[1]
-    pages = jnp.take_along_axis(block_tables, jnp.minimum(index, W - 1), axis=1)
-    real = (jnp.arange(T)[None, :] < num_new[:, None]) & (index < W)
-    return jnp.where(real, pages, num_pages), positions % page_size
-
-
 def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLatent) -> PagedKVCache | PagedLatentCache:
     """Write one ``forward`` call's keys/values (or latent rows) at each row's length, through its
     block table, and advance the lengths.
@@ -189,21 +180,38 @@ def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLate
         num_pages = cache.latent_pages[0].shape[0]
         pages, slots = page_slots(cache.block_tables, cache.lengths, new.num_new, T, cache.page_size, num_pages)
 
-        def write(pool, rows):  # rows [B,T,C] -> pool [P, page, C]
-            return pool.at[pages, slots].set(rows.astype(pool.dtype), mode="drop")
-
-        latent = tuple(write(p, n) for p, n in zip(cache.latent_pages, new.latent))
+        latent = tuple(write_rows(p, n, pages, slots) for p, n in zip(cache.latent_pages, new.latent))
         keys = None
         if cache.index_key_pages is not None:
-            keys = tuple(write(p, n) for p, n in zip(cache.index_key_pages, new.index_keys))
+            keys = tuple(write_rows(p, n, pages, slots) for p, n in zip(cache.index_key_pages, new.index_keys))
         return cache.replace(latent_pages=latent, index_key_pages=keys,
                              lengths=cache.lengths + new.num_new, rope_len=new.rope_len)
     num_pages = cache.k_pages[0].shape[1]
     pages, slots = page_slots(cache.block_tables, cache.lengths, new.num_new, T, cache.page_size, num_pages)
-
-    def write_heads(pool, rows):  # rows [B,T,K,H] -> pool [K, P, page, H]
-        return pool.at[:, pages, slots].set(rows.transpose(2, 0, 1, 3).astype(pool.dtype), mode="drop")
-
-    k = tuple(write_heads(p, n) for p, n in zip(cache.k_pages, new.k))
-    v = tuple(write_heads(p, n) for p, n in zip(cache.v_pages, new.v))
+    k = tuple(write_head_rows(p, n, pages, slots) for p, n in zip(cache.k_pages, new.k))
+    v = tuple(write_head_rows(p, n, pages, slots) for p, n in zip(cache.v_pages, new.v))
     return cache.replace(k_pages=k, v_pages=v, lengths=cache.lengths + new.num_new, rope_len=new.rope_len)
+
+
+def decode_view(cache: PagedKVCache | PagedLatentCache, num_new: jax.Array, mode: KernelMode,
+                windows: tuple[int | None, ...]) -> PagedDecodeCache:
+    """``cache`` as a decode step with the paged kernels reads it (``mode`` resolved, not
+    reference; ``windows``: each layer's sliding window). Not for sparse attention, whose
+    indexer keys the kernels do not read."""
+    if isinstance(cache, PagedLatentCache):
+        if cache.index_key_pages is not None:
+            raise ValueError("the paged decode kernels do not serve sparse attention (indexer keys); "
+                             "use --kernels reference")
+        pages = tuple((p,) for p in cache.latent_pages)
+    else:
+        pages = tuple(zip(cache.k_pages, cache.v_pages))
+    return PagedDecodeCache(pages, cache.block_tables, cache.lengths, cache.rope_len, num_new, mode, windows)
+
+
+def with_decoded(cache: PagedKVCache | PagedLatentCache, view: PagedDecodeCache) -> PagedKVCache | PagedLatentCache:
+    """``cache`` holding the pages, lengths and ``rope_len`` of a decode step's written ``view``."""
+    if isinstance(cache, PagedLatentCache):
+        return cache.replace(latent_pages=tuple(p[0] for p in view.pages), lengths=view.lengths,
+                             rope_len=view.rope_len)
+    return cache.replace(k_pages=tuple(p[0] for p in view.pages), v_pages=tuple(p[1] for p in view.pages),
+                         lengths=view.lengths, rope_len=view.rope_len)

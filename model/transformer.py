@@ -33,6 +33,7 @@ from dayzero.model.moe import moe, swiglu
 from dayzero.model.moe_parallel import moe_expert_parallel
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
+from dayzero.model.paged_decode import PagedDecodeCache, PagedDecodeLayer
 from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, dequantized, quantize_like, scale_shape
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.weights import (
@@ -249,13 +250,17 @@ def attention_block(
     config: ModelConfig,
     x: jax.Array,
     cos_sin: tuple[jax.Array, jax.Array],
-    k_cache: jax.Array | None,
-    v_cache: jax.Array | None,
+    layer_cache: tuple[jax.Array, jax.Array] | PagedDecodeLayer | None,
     masks: tuple[jax.Array | None, jax.Array],
     keys_token_major: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Self-attention of ``x`` [B,T,D] over the cache; returns output and the new keys/values
-    (``keys_token_major`` as :func:`attend`)."""
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Self-attention of ``x`` [B,T,D] over the layer's cache: (keys, values) in the cache
+    layouts (``keys_token_major`` as :func:`attend`), or None. Returns the output and the new
+    (keys, values) [B,T,K,H].
+
+    A :class:`PagedDecodeLayer` cache (a decode step with the paged kernels) is read in place
+    instead; the new keys/values are written into its pages first, and the written (key pages,
+    value pages) are returned in their place."""
     q = jnp.einsum("btd,dnh->btnh", x, dequantized(w.q, x.dtype))
     k = jnp.einsum("btd,dkh->btkh", x, dequantized(w.k, x.dtype))
     v = jnp.einsum("btd,dkh->btkh", x, dequantized(w.v, x.dtype))
@@ -266,16 +271,20 @@ def attention_block(
         k = rms_norm(k, w.k_norm, config.rms_norm_eps)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if k_cache is not None:
-        k_cache, v_cache = dequantized(k_cache, q.dtype), dequantized(v_cache, q.dtype)
-    out = attend(q, k_cache, v_cache, k, v, masks, keys_token_major)
+    if isinstance(layer_cache, PagedDecodeLayer):
+        out, new = layer_cache.attend(q, k, v)
+    else:
+        k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
+        if k_cache is not None:
+            k_cache, v_cache = dequantized(k_cache, q.dtype), dequantized(v_cache, q.dtype)
+        out, new = attend(q, k_cache, v_cache, k, v, masks, keys_token_major), (k, v)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
     out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * H), dequantized(w.o, x.dtype).reshape(N * H, -1))
     if w.o_bias is not None:
         out = out + w.o_bias
-    return out, k, v
+    return out, new
 
 
 def decoder_layer(
@@ -302,9 +311,7 @@ def decoder_layer(
         latent_attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
         attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, latent_attend)
     else:
-        k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
-        attn_out, k, v = attention_block(w.attn, config, h, cos_sin, k_cache, v_cache, masks, keys_token_major)
-        new = (k, v)
+        attn_out, new = attention_block(w.attn, config, h, cos_sin, layer_cache, masks, keys_token_major)
     x = x + attn_out
     h = rms_norm(x, w.mlp_norm, config.rms_norm_eps)
     # The weight tree's type per layer follows config.moe.layers (see weights._layer_specs).
@@ -349,12 +356,12 @@ def forward(
     weights: Weights,
     config: ModelConfig,
     tokens: jax.Array,
-    cache: KVCache | LatentCache | None = None,
+    cache: KVCache | LatentCache | PagedDecodeCache | None = None,
     num_new: jax.Array | None = None,
     all_logits: bool = False,
     hidden_out: list | None = None,
     parallel: Parallel | None = None,
-) -> tuple[jax.Array, NewKV | NewLatent]:
+) -> tuple[jax.Array, NewKV | NewLatent | PagedDecodeCache]:
     """Run ``tokens`` [B,T] as the continuation of each cached row (from scratch if no cache).
 
     ``num_new`` [B] is how many of the T tokens of each row are real (default: all T).
@@ -365,6 +372,8 @@ def forward(
     cache costs as much attention work as a full one. ``parallel`` (on a mesh): MoE blocks
     dispatch tokens to the devices owning their experts when the experts are split, latent
     attention works on each device's slice of a split latent cache (``dayzero.model.parallel``).
+    A :class:`~dayzero.model.paged_decode.PagedDecodeCache` (a decode step with the paged
+    kernels) is returned written, in place of the new keys/values.
     """
     B, T = tokens.shape
     if num_new is None:
@@ -397,6 +406,8 @@ def forward(
     logits = output_logits(weights, x)
     if not all_logits:
         logits = logits[:, 0, :]
+    if isinstance(cache, PagedDecodeCache):  # the blocks wrote the pages themselves
+        return logits, cache.written(new, rope_len)
     if config.mla is not None:
         keys = None if config.dsa is None else tuple(n[1] for n in new)
         return logits, NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len, index_keys=keys)

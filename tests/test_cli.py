@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 from dayzero.engine import Engine
@@ -146,8 +148,8 @@ GENERATE_ERRORS = {
     "past_context": (["--prompt-ids", "1,2", "--max-new-tokens", "1000"], ["1000", "256"]),
     "mesh_tensor_2": (["--prompt-ids", "1,2", "--mesh", "tensor=2"], ["tensor=2"]),
     "mesh_bad_axis": (["--prompt-ids", "1,2", "--mesh", "pipeline=2"], ["pipeline=2"]),
-    "kernels_pallas": (["--prompt-ids", "1,2", "--kernels", "pallas"], ["pallas"]),
-    "kernels_pallas_interpret": (["--prompt-ids", "1,2", "--kernels", "pallas_interpret"], ["pallas_interpret"]),
+    "kernels_pallas_interpret_on_mesh": (["--prompt-ids", "1,2", "--kernels", "pallas_interpret", "--mesh", "data=1"],
+                                         ["pallas_interpret", "--mesh"]),
     "logprobs_without_json": (["--prompt-ids", "1,2", "--logprobs"], ["--json"]),
     "chat_with_ids": (["--prompt-ids", "1,2", "--chat"], ["chat"]),
     "partial_multihost": (["--prompt-ids", "1,2", "--num-processes", "2"], ["--coordinator"]),
@@ -160,6 +162,42 @@ def test_generate_user_errors(name, tiny_model, capsys):
     rc, out, err = _run(["generate", "--model", tiny_model.dir, *extra], capsys)
     _assert_one_line_error(rc, out, err, *fragments)
     assert out == ""
+
+
+def test_generate_kernels_pallas_on_cpu_is_the_kernels_error(tiny_model, capsys):
+    if jax.default_backend() != "cpu":
+        pytest.skip("pallas runs on GPU")
+    rc, out, err = _run(["generate", "--model", tiny_model.dir, "--prompt-ids", "1,2", "--kernels", "pallas"], capsys)
+    _assert_one_line_error(rc, out, err, "pallas cannot run on cpu", "pallas_interpret")
+    assert rc == 2 and out == ""
+
+
+def test_generate_kernels_pallas_interpret_matches_reference(tiny_model, tiny_engine, capsys):
+    """--kernels pallas_interpret serves the request on the paged engine, decode on the paged
+    kernels: the same greedy tokens as the reference, and --json reports what ran."""
+    argv = ["generate", "--model", tiny_model.dir, "--prompt-ids", "1,2,3", "--json", "--logprobs",
+            "--max-new-tokens", "4"]
+    rc, out, err = _run([*argv, "--kernels", "pallas_interpret"], capsys)
+    assert rc == 0, err
+    obj = json.loads(out)
+    ref = tiny_engine.generate([1, 2, 3], max_new_tokens=4, logprobs=True)
+    assert obj["token_ids"] == ref.token_ids
+    assert obj["text"] == ref.text
+    np.testing.assert_allclose(obj["logprobs"], ref.logprobs, rtol=1e-4, atol=2e-5)
+    platform = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else jax.default_backend()
+    assert obj["kernels"] == {"requested": "pallas_interpret", "resolved": "pallas_interpret",
+                              "platform": platform, "backend": "pallas_interpret"}
+    rc, out, err = _run([*argv, "--kernels", "reference"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["kernels"] == {"requested": "reference", "resolved": "reference",
+                                          "platform": platform, "backend": "xla"}
+
+
+def test_generate_kernels_pallas_interpret_streams_text(tiny_model, tiny_engine, capsys):
+    rc, out, err = _run(["generate", "--model", tiny_model.dir, "--prompt", "hi", "--max-new-tokens", "3",
+                         "--kernels", "pallas_interpret"], capsys)
+    assert rc == 0, err
+    assert out == tiny_engine.generate("hi", max_new_tokens=3).text + "\n"
 
 
 def test_generate_huge_seed_is_not_a_traceback(tiny_model, capsys):
