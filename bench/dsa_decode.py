@@ -17,7 +17,6 @@ The defaults keep the run to a couple of minutes on two CPU cores.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import time

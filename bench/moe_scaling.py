@@ -23,7 +23,6 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 
 from dayzero.model.config import MoEConfig
 from dayzero.model.moe import GroupedMatmul, moe, route

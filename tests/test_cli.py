@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import pytest
 
-from dayzero.engine import Engine
 from dayzero.engine.cli import main
 
 JSON_KEYS = {"text", "prompt_ids", "token_ids", "finish_reason"}

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import math
 
 import jax.numpy as jnp
 import numpy as np

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from dayzero.engine.cli import main
+from tests.test_cli import _run  # the in-process CLI runner (exit status, stdout, stderr)
 from dayzero.model.config import Family, ModelConfig, RopeConfig
 from dayzero.model.footprint import DecodeFootprint
 from dayzero.model.hf_config import load_hf_config
@@ -120,15 +120,6 @@ def test_parse_size():
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
-
-
-def _run(argv, capsys):
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
 
 
 def test_cli_json(capsys):
