@@ -94,8 +94,15 @@ def _resolve_kernels(choice: str, mesh: str | None):
         if choice != "auto":
             raise CommandError(f"--kernels {choice} runs on one device, not on --mesh {mesh}; "
                                "drop --mesh or use --kernels reference")
-        mode, info = KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
+        mode, info = _reference_instead(info)
     return mode, info
+
+
+def _reference_instead(info: dict):
+    """``auto``'s choice changed to the reference path (for what the kernels cannot serve)."""
+    from dayzero.kernels import KernelMode
+
+    return KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
 
 
 def _generate_on_kernels(engine, prompt, args: argparse.Namespace, sampling, mode):
@@ -239,6 +246,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
     engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
+    if engine.config.dsa is not None and args.kernels == "auto":
+        kernels, kernels_info = _reference_instead(kernels_info)  # no paged sparse-attention kernel
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     if kernels is not KernelMode.REFERENCE:
         result = _generate_on_kernels(engine, prompt, args, sampling, kernels)

@@ -37,6 +37,7 @@ from dayzero.engine.generate import GenerationError, bucket
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
 from dayzero.model.config import ModelConfig
 from dayzero.kernels import KernelMode, resolve_mode
+from dayzero.kernels.mode import parse_mode
 from dayzero.model.paged_cache import append_to_pages, decode_view, init_paged_cache, with_decoded
 from dayzero.model.transformer import forward
 from dayzero.model.weights import Weights
@@ -101,6 +102,8 @@ class ServingConfig:
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
         kernels = resolve_mode(self.kernels)
+        if model.dsa is not None and parse_mode(self.kernels) is KernelMode.AUTO:
+            kernels = KernelMode.REFERENCE  # auto picks a path that can run: no paged DSA kernel
         if kernels is not KernelMode.REFERENCE and model.dsa is not None:
             raise GenerationError(
                 f"--kernels {kernels.value} cannot serve sparse attention (DeepSeek-V3.2's indexer): "
