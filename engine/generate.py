@@ -88,16 +88,13 @@ def placed_weight_specs(config: ModelConfig, untied_head: bool):
     return abstract_weights(config)
 
 
-def _check_unquantized_on_mesh(model_dir: Path, scheme: WeightQuant, kv: KVQuant) -> None:
+def _check_unquantized_on_mesh(stored: WeightQuant, scheme: WeightQuant) -> None:
     """Quantized weights are not laid out on meshes yet: refuse them rather than mis-shard."""
-    from dayzero.convert.checkpoint import read_manifest, stored_quantization
-
-    stored = stored_quantization(read_manifest(model_dir)).weights
     quantized = stored if stored is not WeightQuant.NONE else scheme
     if quantized is not WeightQuant.NONE:
         raise QuantError(
-            f"quantized weights ({quantized.value}) cannot be "
-            "placed on a multi-device mesh yet; run them on one device (omit --mesh) or load float weights"
+            f"quantized weights ({quantized.value}) cannot be placed on a multi-device mesh yet; "
+            "run them on one device (omit --mesh) or load float weights"
         )
 
 
@@ -130,12 +127,10 @@ def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights
             (next_tokens, logprobs), parallel.placement.replicated()
         )
     return next_tokens, logprobs, new
-def _quantized_at_load(config: ModelConfig, weights: Weights, scheme: WeightQuant, asked, model_dir: Path) -> Weights:
-    """``weights`` quantized with ``scheme`` if they are float; a quantized checkpoint is kept as
-    stored when no scheme (or auto, or its own) was asked for."""
-    from dayzero.convert.checkpoint import read_manifest, stored_quantization
-
-    stored = stored_quantization(read_manifest(model_dir)).weights
+def _quantized_at_load(config: ModelConfig, weights: Weights, scheme: WeightQuant, asked,
+                       stored: WeightQuant, model_dir: Path) -> Weights:
+    """``weights`` quantized with ``scheme`` if they are float; a checkpoint stored quantized
+    (as ``stored``) is kept as stored when no scheme (or auto, or its own) was asked for."""
     if stored is not WeightQuant.NONE:
         if asked not in (None, "auto") and scheme is not stored:
             raise QuantError(
@@ -200,20 +195,21 @@ class Engine:
         :class:`QuantError` for an unknown name or a scheme that differs from the checkpoint's.
         """
         from dayzero.convert import load_checkpoint
-        from dayzero.convert.checkpoint import read_config
+        from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization
         from dayzero.engine.default_model import default_model_dir
 
         scheme = parse_weight_quant(quantize)
         kv = parse_kv_quant(kv_cache)
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
+        stored = stored_quantization(read_manifest(model_dir)).weights
         shardings = None
         if placement is not None:
             config = read_config(model_dir)
             check_placement(config, placement)
-            _check_unquantized_on_mesh(model_dir, scheme, kv)
+            _check_unquantized_on_mesh(stored, scheme)
             shardings = placement.shardings(abstract_weights(config))
         config, weights = load_checkpoint(model_dir, dtype=dtype or default_dtype(), shardings=shardings)
-        weights = _quantized_at_load(config, weights, scheme, quantize, model_dir)
+        weights = _quantized_at_load(config, weights, scheme, quantize, stored, model_dir)
         # A model converted without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         return cls(config, weights, tokenizer, placement, kv_cache=kv)

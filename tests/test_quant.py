@@ -217,6 +217,19 @@ def test_engine_loads_quantized_checkpoints_and_refuses_a_different_scheme(tiny_
         Engine.load(tiny_model.dir, quantize="fp9")
 
 
+def test_quantized_weights_are_refused_on_a_mesh(tiny_model, int8_dir):
+    """Stored or at-load quantized weights on a mesh are one clear error, before any loading."""
+    import jax
+
+    from dayzero.sharding import rules as R
+    from dayzero.sharding.placement import Placement
+
+    placement = Placement(R.make_mesh({"tensor": len(jax.devices())}), R.tensor_parallel())
+    for model_dir, quantize in ((int8_dir, None), (tiny_model.dir, "int8")):
+        with pytest.raises(QuantError, match=r"quantized weights \(int8\) cannot be placed on a multi-device mesh"):
+            Engine.load(model_dir, placement=placement, quantize=quantize)
+
+
 def test_cli_generates_from_a_quantized_conversion_and_with_kv_cache_flags(tiny_model, int8_dir, capsys, tmp_path):
     dst = tmp_path / "fp8"
     assert main(["convert", str(tiny_model.hf_dir), str(dst), "--no-progress", "--quantize", "fp8"]) == 0
