@@ -34,8 +34,7 @@ def validate_paged_latent_attention(q, latent_pages, block_tables, lengths, valu
     if latent_pages.shape[2] != C or min(latent_pages.shape) < 1:
         raise KernelError(f"{OP}: latent_pages has shape {tuple(latent_pages.shape)}, expected "
                           f"[P,page_size,C={C}] for q of shape {tuple(q.shape)}")
-    if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 0 < value_dim <= C:
-        raise KernelError(f"{OP}: value_dim must be an int in [1, C={C}], got {value_dim!r}")
+    tiles.check_value_dim(OP, value_dim, C)
     tiles.check_float(OP, "q", q)
     tiles.check_float(OP, "latent_pages", latent_pages, q.dtype)
     check_tables(OP, block_tables, lengths, B)

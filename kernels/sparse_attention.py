@@ -74,8 +74,7 @@ def validate_sparse_attention(q, kv, indices, value_dim, sm_scale) -> None:
     if tuple(indices.shape[:2]) != (B, T) or indices.shape[2] < 1 or indices.dtype != jnp.int32:
         raise KernelError(f"{OP}: indices must be int32 [B={B}, T={T}, k>=1], "
                           f"got {indices.dtype}{list(indices.shape)}")
-    if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 0 < value_dim <= C:
-        raise KernelError(f"{OP}: value_dim must be an int in [1, C={C}], got {value_dim!r}")
+    tiles.check_value_dim(OP, value_dim, C)
     tiles.check_float(OP, "q", q)
     tiles.check_float(OP, "kv", kv, q.dtype)
     tiles.check_scale(OP, sm_scale)

@@ -167,6 +167,12 @@ def check_scale(op: str, sm_scale) -> None:
         raise KernelError(f"{op}: sm_scale must be a positive number, got {sm_scale!r}")
 
 
+def check_value_dim(op: str, value_dim, width: int) -> None:
+    """``value_dim`` (the leading columns of a latent row that are its value) is an int in [1, width]."""
+    if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 0 < value_dim <= width:
+        raise KernelError(f"{op}: value_dim must be an int in [1, C={width}], got {value_dim!r}")
+
+
 def check_window(op: str, window) -> None:
     """Raise unless ``window`` is None or a positive int."""
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
