@@ -235,8 +235,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``dayzero generate``."""
     from dayzero.engine.generate import Engine
+    from dayzero.engine.paged_steps import serving_kernels
     from dayzero.engine.sampling import SamplingParams
-
     from dayzero.kernels import KernelMode
 
     placement = _placement(args.mesh)
@@ -246,8 +246,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
     engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
-    if engine.config.dsa is not None and args.kernels == "auto":
-        kernels, kernels_info = _reference_instead(kernels_info)  # no paged sparse-attention kernel
+    if kernels is not KernelMode.REFERENCE and serving_kernels(engine.config, args.kernels) is KernelMode.REFERENCE:
+        kernels, kernels_info = _reference_instead(kernels_info)  # auto, on a model the kernels cannot serve
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     if kernels is not KernelMode.REFERENCE:
         result = _generate_on_kernels(engine, prompt, args, sampling, kernels)

@@ -43,6 +43,23 @@ from dayzero.model.transformer import forward
 from dayzero.model.weights import Weights
 
 
+def serving_kernels(model: ModelConfig, requested: KernelMode | str) -> KernelMode:
+    """The concrete kernel mode the paged engine runs ``model`` with.
+
+    ``auto`` resolves per platform, except for sparse attention (DeepSeek-V3.2), which the paged
+    kernels cannot serve (they attend densely): there it means the reference path, and an
+    explicit Pallas mode is an error.
+    """
+    mode = resolve_mode(requested)
+    if model.dsa is None or mode is KernelMode.REFERENCE:
+        return mode
+    if parse_mode(requested) is KernelMode.AUTO:
+        return KernelMode.REFERENCE
+    raise GenerationError(
+        f"--kernels {mode.value} cannot serve sparse attention (DeepSeek-V3.2's indexer): "
+        "the paged kernels attend densely; use --kernels reference")
+
+
 @dataclasses.dataclass(frozen=True)
 class ServingConfig:
     """Sizes of a paged serving engine. ``None`` fields take a default from the model
@@ -101,14 +118,8 @@ class ServingConfig:
             raise GenerationError(
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
-        kernels = resolve_mode(self.kernels)
-        if model.dsa is not None and parse_mode(self.kernels) is KernelMode.AUTO:
-            kernels = KernelMode.REFERENCE  # auto picks a path that can run: no paged DSA kernel
-        if kernels is not KernelMode.REFERENCE and model.dsa is not None:
-            raise GenerationError(
-                f"--kernels {kernels.value} cannot serve sparse attention (DeepSeek-V3.2's indexer): "
-                "the paged kernels attend densely; use --kernels reference")
-        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=kernels)
+        return dataclasses.replace(self, max_context=context, num_pages=pages,
+                                   kernels=serving_kernels(model, self.kernels))
 
     # ---- shape policy (on a resolved config) ----------------------------------------------------
 

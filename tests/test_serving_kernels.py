@@ -111,11 +111,27 @@ def test_pallas_on_cpu_is_refused(tiny_engine):
         ServingEngine(tiny_engine, dataclasses.replace(SERVING, kernels="pallas"))
 
 
+DSA = dict(
+    BASE, model_type="deepseek_v32", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
+    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4,
+    num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1, index_topk=8,
+    index_n_heads=16, index_head_dim=32)
+
+
 def test_sparse_attention_with_kernels_is_refused():
-    engine = _random_engine(dict(
-        BASE, model_type="deepseek_v32", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
-        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1, index_topk=8,
-        index_n_heads=16, index_head_dim=32))
+    engine = _random_engine(DSA)
     with pytest.raises(GenerationError, match="sparse attention"):
         ServingEngine(engine, dataclasses.replace(SERVING, kernels="pallas_interpret"))
+
+
+def test_auto_on_gpu_serves_sparse_attention_with_the_reference(tiny_engine, monkeypatch):
+    """Where auto means pallas, a sparse-attention model still gets a path that can serve it."""
+    from dayzero.engine.paged_steps import serving_kernels
+    from dayzero.kernels import mode
+
+    monkeypatch.setattr(mode, "current_platform", lambda: "gpu")
+    dsa = parse_hf_config(DSA)
+    assert serving_kernels(tiny_engine.config, "auto") is KernelMode.PALLAS
+    assert serving_kernels(dsa, "auto") is KernelMode.REFERENCE
+    with pytest.raises(GenerationError, match="sparse attention"):
+        serving_kernels(dsa, "pallas")
