@@ -111,8 +111,8 @@ def _generate_on_kernels(engine, prompt, args: argparse.Namespace, sampling, mod
     attention); prefill runs the reference path either way."""
     from dayzero.engine.serving import ServingConfig, ServingEngine
 
-    ids = engine._prompt_ids(prompt, args.chat)
-    engine._check_length(ids, args.max_new_tokens)
+    ids = engine.prompt_ids(prompt, args.chat)
+    engine.check_length(ids, args.max_new_tokens)
     context = max(2, min(len(ids) + args.max_new_tokens, engine.config.max_position_embeddings))
     server = ServingEngine(engine, ServingConfig(slots=1, max_context=context, kernels=mode))
     return server.run([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)[0]

@@ -76,6 +76,12 @@ def cache_length(longest: int, max_new_tokens: int) -> int:
     return bucket(max(padded, longest + max_new_tokens), MIN_CACHE_LEN)
 
 
+def check_max_new_tokens(max_new_tokens) -> None:
+    """Raise :class:`GenerationError` unless ``max_new_tokens`` is an integer >= 1."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+
+
 def default_dtype() -> jnp.dtype:
     """fp32 on CPU (XLA:CPU bf16 matvecs are ~20x slower), bf16 on accelerators."""
     return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -262,7 +268,9 @@ class Engine:
 
     # ---- request validation ------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+    def prompt_ids(self, prompt: str | Sequence[int], chat: bool) -> list[int]:
+        """A prompt (text, encoded with the chat template if ``chat``, or token ids) as checked
+        token ids; raises :class:`GenerationError` naming what is wrong."""
         if isinstance(prompt, str):
             if not prompt.strip():
                 raise GenerationError("the prompt is empty; pass some text")
@@ -283,7 +291,8 @@ class Engine:
             )
         return ids
 
-    def _check_length(self, ids: list[int], max_new_tokens: int) -> None:
+    def check_length(self, ids: list[int], max_new_tokens: int) -> None:
+        """Raise :class:`GenerationError` if ``ids`` plus ``max_new_tokens`` exceed the model's context."""
         context = self.config.max_position_embeddings
         if len(ids) + max_new_tokens > context:
             raise GenerationError(
@@ -315,14 +324,13 @@ class Engine:
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise GenerationError("no prompts given")
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+        check_max_new_tokens(max_new_tokens)
         params = [sampling] * len(batch) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(batch):
             raise GenerationError(f"{len(params)} sampling settings for {len(batch)} prompts")
-        ids = [self._prompt_ids(p, chat) for p in batch]
+        ids = [self.prompt_ids(p, chat) for p in batch]
         for row in ids:
-            self._check_length(row, max_new_tokens)
+            self.check_length(row, max_new_tokens)
         completions = self._generate_ids(ids, max_new_tokens, params, logprobs, ignore_eos, on_text)
         return completions[0] if single else completions
 

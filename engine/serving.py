@@ -36,7 +36,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from dayzero.engine.generate import Completion, Engine, GenerationError
+from dayzero.engine.generate import Completion, Engine, GenerationError, check_max_new_tokens
 from dayzero.engine.paged_steps import PagedSteps, RowParams, ServingConfig, key_data, sampling_mode
 from dayzero.engine.paging import PagePool, PoolExhausted, page_hashes
 from dayzero.engine.sampling import SamplingParams
@@ -130,12 +130,11 @@ class ServingEngine:
 
     def _request(self, prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs) -> _Request:
         """A validated request (raises :class:`GenerationError` naming the bad value)."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise GenerationError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
+        check_max_new_tokens(max_new_tokens)
         if not isinstance(sampling, SamplingParams):
             raise GenerationError(f"sampling={sampling!r} is not a SamplingParams")
-        ids = self.engine._prompt_ids(prompt, chat)
-        self.engine._check_length(ids, max_new_tokens)
+        ids = self.engine.prompt_ids(prompt, chat)
+        self.engine.check_length(ids, max_new_tokens)
         if len(ids) + max_new_tokens > self.config.max_context:
             raise GenerationError(
                 f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}, more than "
