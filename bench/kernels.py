@@ -2,14 +2,15 @@
 
     python bench/kernels.py [--json] [--sizes small|full] [--dtype bf16|fp32] [--repeats N]
 
-For every op (paged GQA decode, paged MLA-latent decode, flash prefill, DSA sparse attention)
-and size, times the jitted reference and the jitted Pallas kernel (median of ``--repeats`` runs
+For every op (paged GQA and MLA-latent attention for decode and for a chunked-prefill chunk,
+flash prefill, DSA sparse attention) and size, times the jitted reference and the jitted Pallas kernel (median of ``--repeats`` runs
 after a compile-and-warm-up call), checks that they agree, and prints a table (or one JSON
 object) with the ratio reference/pallas and the achieved GB/s (decode) or TFLOP/s (prefill).
 
 On a GPU the defaults are the realistic sizes (decode B=8, N=32, K=8, H=128 over 4k-32k
-tokens in pages of 16 and 32; MLA decode with 128 heads over 512+64-wide latent rows; prefill
-T=S=2k-8k; DSA top-2048) in bf16. Elsewhere Pallas cannot compile (Pallas Triton needs a GPU):
+tokens in pages of 16 and 32; MLA decode with 128 heads over 512+64-wide latent rows; a prefill
+chunk of 256 queries at the end of a 4k context through pages, GQA and MLA; prefill T=S=2k-8k;
+DSA top-2048, per-row rows and a shared pool) in bf16. Elsewhere Pallas cannot compile (Pallas Triton needs a GPU):
 the script says so, times only the reference at small sizes in fp32, checks each kernel against
 its reference once in interpret mode at a tiny size (not timed), and checks that every kernel
 still lowers to Pallas Triton at the full sizes. Exits 1 if any kernel disagrees with its
@@ -71,24 +72,35 @@ def _tables(key, batch: int, pages_per_seq: int) -> tuple[jax.Array, int]:
     return jax.random.permutation(key, pool)[: batch * pages_per_seq].reshape(batch, -1).astype(jnp.int32), pool
 
 
-def paged_case(B, N, K, H, page, context) -> Case:
+def _paged_rates(B, T, N, context, key_dim, value_dim, read_bytes) -> dict:
+    """Decode (T=1) is rated by the cache bytes it reads (GB/s); a chunk of T queries (the last
+    T keys: each sees context - T + t + 1) by its score and value products (TFLOP/s)."""
+    if T == 1:
+        return dict(bytes_read=read_bytes)
+    return dict(flops=2.0 * B * N * (key_dim + value_dim) * T * (context - (T - 1) / 2))
+
+
+def paged_case(B, N, K, H, page, context, T=1) -> Case:
     def make(key, dtype):
         k1, k2, k3, k4, k5 = jax.random.split(key, 5)
         tables, pool = _tables(k1, B, -(-context // page))
-        return (_normal(k2, (B, N, H), dtype), _normal(k3, (K, pool, page, H), dtype),
+        return (_normal(k2, (B, T, N, H), dtype), _normal(k3, (K, pool, page, H), dtype),
                 _normal(k4, (K, pool, page, H), dtype), tables, _lengths(k5, B, context, page))
-    return Case("paged_attention", f"B={B} N={N} K={K} H={H} page={page} ctx={context}", paged_attention,
-                make, {}, bytes_read=2.0 * B * context * K * H * 2)
+    # Default offsets: the T queries are each row's last T keys (a decode step, or the chunk
+    # of a chunked prefill that ends the context).
+    return Case("paged_attention", f"B={B} T={T} N={N} K={K} H={H} page={page} ctx={context}", paged_attention,
+                make, {}, **_paged_rates(B, T, N, context, H, H, 2.0 * B * context * K * H * 2))
 
 
-def latent_case(B, N, C, value_dim, page, context) -> Case:
+def latent_case(B, N, C, value_dim, page, context, T=1) -> Case:
     def make(key, dtype):
         k1, k2, k3, k4 = jax.random.split(key, 4)
         tables, pool = _tables(k1, B, -(-context // page))
-        return (_normal(k2, (B, N, C), dtype), _normal(k3, (pool, page, C), dtype), tables,
+        return (_normal(k2, (B, T, N, C), dtype), _normal(k3, (pool, page, C), dtype), tables,
                 _lengths(k4, B, context, page))
-    return Case("paged_latent_attention", f"B={B} N={N} C={C} page={page} ctx={context}", paged_latent_attention,
-                make, dict(value_dim=value_dim, sm_scale=0.07), bytes_read=2.0 * B * context * C)
+    return Case("paged_latent_attention", f"B={B} T={T} N={N} C={C} page={page} ctx={context}",
+                paged_latent_attention, make, dict(value_dim=value_dim, sm_scale=0.07),
+                **_paged_rates(B, T, N, context, C, value_dim, 2.0 * B * context * C))
 
 
 def flash_case(B, N, K, H, T) -> Case:
@@ -101,13 +113,16 @@ def flash_case(B, N, K, H, T) -> Case:
                 dict(causal=True), flops=4.0 * B * N * H * T * T / 2)
 
 
-def sparse_case(B, T, N, C, value_dim, topk, S) -> Case:
+def sparse_case(B, T, N, C, value_dim, topk, S, shared=False) -> Case:
+    """Per-row rows kv [B,S,C], or with ``shared`` one pool [S,C] every row picks from (as the
+    serving engine passes its flattened page pool)."""
     def make(key, dtype):
         k1, k2, k3, k4 = jax.random.split(key, 4)
         picks = jax.random.randint(k3, (B, T, topk), 0, S)
         picks = jnp.where(jax.random.uniform(k4, picks.shape) < 0.95, picks, -1).astype(jnp.int32)
-        return _normal(k1, (B, T, N, C), dtype), _normal(k2, (B, S, C), dtype), picks
-    return Case("sparse_attention", f"B={B} T={T} N={N} C={C} k={topk} S={S}", sparse_attention, make,
+        return _normal(k1, (B, T, N, C), dtype), _normal(k2, (S, C) if shared else (B, S, C), dtype), picks
+    size = f"B={B} T={T} N={N} C={C} k={topk} {'pool' if shared else 'S'}={S}"
+    return Case("sparse_attention", size, sparse_attention, make,
                 dict(value_dim=value_dim, sm_scale=0.07), bytes_read=2.0 * B * T * topk * C)
 
 
@@ -115,8 +130,10 @@ def full_cases() -> list[Case]:
     """The realistic sizes (for a GPU)."""
     return ([paged_case(8, 32, 8, 128, page, ctx) for page in (16, 32) for ctx in (4096, 8192, 16384, 32768)]
             + [latent_case(8, 128, 576, 512, 16, ctx) for ctx in (4096, 8192, 16384, 32768)]
+            + [paged_case(2, 32, 8, 128, 16, 4096, T=256), latent_case(1, 128, 576, 512, 16, 4096, T=256)]
             + [flash_case(1, 32, 8, 128, T) for T in (2048, 4096, 8192)]
             + [sparse_case(8, 1, 128, 576, 512, 2048, S) for S in (8192, 32768)]
+            + [sparse_case(8, 1, 128, 576, 512, 2048, 8 * 32768, shared=True)]
             + [sparse_case(1, 1024, 128, 576, 512, 2048, 8192)])
 
 
@@ -124,14 +141,16 @@ def small_cases() -> list[Case]:
     """Sizes a 2-core CPU times in seconds."""
     return ([paged_case(2, 8, 2, 64, 16, ctx) for ctx in (1024, 4096)]
             + [latent_case(2, 16, 576, 512, 16, ctx) for ctx in (1024, 4096)]
+            + [paged_case(1, 8, 2, 64, 16, 1024, T=64), latent_case(1, 16, 576, 512, 16, 1024, T=16)]
             + [flash_case(1, 8, 2, 64, T) for T in (512, 1024)]
-            + [sparse_case(2, 1, 16, 576, 512, 256, 4096)])
+            + [sparse_case(2, 1, 16, 576, 512, 256, 4096), sparse_case(2, 1, 16, 576, 512, 256, 8192, shared=True)])
 
 
 def tiny_cases() -> list[Case]:
     """One tiny size per op, for the interpret-mode check where Pallas cannot compile."""
-    return [paged_case(2, 4, 2, 32, 16, 40), latent_case(2, 4, 40, 32, 8, 30), flash_case(2, 4, 2, 32, 40),
-            sparse_case(1, 2, 4, 40, 32, 20, 50)]
+    return [paged_case(2, 4, 2, 32, 16, 40), paged_case(2, 4, 2, 32, 16, 40, T=7), latent_case(2, 4, 40, 32, 8, 30),
+            latent_case(2, 4, 40, 32, 8, 30, T=5), flash_case(2, 4, 2, 32, 40), sparse_case(1, 2, 4, 40, 32, 20, 50),
+            sparse_case(2, 2, 4, 40, 32, 20, 50, shared=True)]
 
 
 def _run(case: Case, mode: str, arrays, precision: str | None = None):

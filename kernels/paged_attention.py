@@ -1,19 +1,26 @@
-"""Ragged paged decode attention (GQA/MQA): one query per sequence over K/V pages.
+"""Ragged paged attention (GQA/MQA): T queries per sequence over K/V pages, for decode (T=1)
+and chunked prefill alike.
 
-    paged_attention(q [B,N,H], k_pages [K,P,page,H], v_pages [K,P,page,H],
-                    block_tables [B,pages_per_seq] int32, lengths [B] int32) -> [B,N,H]
+    paged_attention(q [B,T,N,H], k_pages [K,P,page,H], v_pages [K,P,page,H],
+                    block_tables [B,W] int32, kv_lengths [B] int32, *, q_offsets=None) -> [B,T,N,H]
 
-Sequence b's token t lives in page ``block_tables[b, t // page]`` at slot ``t % page``; its first
-``lengths[b]`` tokens are attended to (0 gives zeros). The query is the sequence's last token, so
-a sliding ``window`` keeps keys t >= length - window. Query head n reads kv head n // (N/K).
-Table entries past a sequence's pages may hold anything in [0, P) (they are clamped there and
-masked); pages are never written.
+Sequence b's token s lives in page ``block_tables[b, s // page]`` at slot ``s % page``; it has
+``kv_lengths[b]`` valid keys (clamped to [0, W*page]). Query t of row b sits at key position
+``q_offsets[b] + t`` (default ``kv_lengths - T``: the T queries are the sequence's last T keys,
+so a decode step is T=1 at position kv_length-1). Masking is flash attention's with causal=True:
+a query sees key s when s < kv_length and s <= its position, and with a sliding ``window`` when
+position - s < window; a query that sees no key gives zeros. Query head n reads kv head
+n // (N/K). Table entries past a sequence's pages may hold anything in [0, P) (they are clamped
+there and masked); pages are never written.
 
-The kernel (shared with the MLA-latent variant in ``paged_latent_attention``) runs one program
-per (sequence, kv head, block of query rows, split of the page list). Each program gathers
-``pages_per_tile`` pages per step through the block table and folds them into an online softmax;
-the splits (flash-decoding) keep a GPU busy when B*K alone is too few programs for a long
-context, and their partial results are merged outside the kernel.
+The kernel (shared with the MLA-latent variant in ``paged_latent_attention``) lays the queries of
+each kv head out as T*G rows, token-major (row r is token r // G, G query heads per kv head), and
+runs one program per (sequence, kv head, block of rows, split of the page list). Each program
+gathers ``pages_per_tile`` pages per step through the block table and folds them into an online
+softmax, visiting only the tiles its rows can see: up to its last row's position (causal) and
+from its first row's window start. The splits (flash-decoding) keep a GPU busy when B*K*row
+blocks alone are too few programs for a long context; their partial results are merged outside
+the kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from dayzero.kernels import tiles
+from dayzero.kernels.flash_attention import flash_attention_reference, visible_keys
 from dayzero.kernels.mode import KernelError, KernelMode, dispatch
 
 OP = "paged_attention"
@@ -34,11 +42,12 @@ OP = "paged_attention"
 
 @dataclasses.dataclass(frozen=True)
 class PagedBlocks:
-    """Tiling of the paged decode kernel.
+    """Tiling of the paged kernel.
 
-    ``tokens_per_tile``: keys per step (whole pages, >= 16); ``block_rows``: query rows per
-    program (power of two >= 16, Triton's smallest matmul side; GQA groups are padded up to
-    it); ``min_programs``: split the page list until B*K*row_blocks*splits reaches this.
+    ``tokens_per_tile``: keys per step (whole pages, >= 16); ``block_rows``: query rows (T*G
+    per kv head) per program (power of two >= 16, Triton's smallest matmul side; fewer rows are
+    padded up to it); ``min_programs``: split the page list until B*K*row_blocks*splits
+    reaches this.
     """
 
     tokens_per_tile: int
@@ -69,22 +78,29 @@ def paged_blocks(value_dim: int, interpret: bool) -> PagedBlocks:
     return PAGED_BLOCKS_WIDE
 
 
-def check_tables(op: str, block_tables, lengths, batch: int) -> None:
-    """Raise unless block_tables is int32 [B, pages_per_seq >= 1] and lengths int32 [B]."""
+
+def check_tables(op: str, block_tables, kv_lengths, q_offsets, batch: int) -> None:
+    """Raise unless block_tables is int32 [B, W >= 1], kv_lengths int32 [B] and q_offsets None
+    or int32 [B]."""
     tiles.check_rank(op, "block_tables", block_tables, 2, "int32 [B, pages_per_seq]")
     if block_tables.shape[0] != batch or block_tables.shape[1] < 1 or block_tables.dtype != jnp.int32:
         raise KernelError(f"{op}: block_tables must be int32 [B={batch}, pages_per_seq>=1], "
                           f"got {block_tables.dtype}{list(block_tables.shape)}")
-    tiles.check_int_vector(op, "lengths", lengths, batch)
+    tiles.check_int_vector(op, "kv_lengths", kv_lengths, batch)
+    if q_offsets is not None:
+        tiles.check_int_vector(op, "q_offsets", q_offsets, batch)
 
 
-def validate_paged_attention(q, k_pages, v_pages, block_tables, lengths, sm_scale, window) -> float:
+def validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets, sm_scale,
+                             window) -> float:
     """Check shapes and dtypes (raising :class:`KernelError` naming the bad one); return the
     softmax scale to use (1/sqrt(H) when ``sm_scale`` is None)."""
-    tiles.check_rank(OP, "q", q, 3, "[B,N,H]")
+    tiles.check_rank(OP, "q", q, 4, "[B,T,N,H]")
     tiles.check_rank(OP, "k_pages", k_pages, 4, "[K,P,page_size,H]")
-    B, N, H = q.shape
+    B, T, N, H = q.shape
     K = k_pages.shape[0]
+    if T < 1:
+        raise KernelError(f"{OP}: q has shape {tuple(q.shape)}; it needs at least one query (T >= 1)")
     if k_pages.shape[3] != H or min(k_pages.shape) < 1:
         raise KernelError(f"{OP}: k_pages has shape {tuple(k_pages.shape)}, expected "
                           f"[K,P,page_size,H={H}] for q of shape {tuple(q.shape)}")
@@ -96,7 +112,7 @@ def validate_paged_attention(q, k_pages, v_pages, block_tables, lengths, sm_scal
     tiles.check_float(OP, "q", q)
     tiles.check_float(OP, "k_pages", k_pages, q.dtype)
     tiles.check_float(OP, "v_pages", v_pages, q.dtype)
-    check_tables(OP, block_tables, lengths, B)
+    check_tables(OP, block_tables, kv_lengths, q_offsets, B)
     tiles.check_window(OP, window)
     if sm_scale is None:
         return H**-0.5
@@ -104,82 +120,98 @@ def validate_paged_attention(q, k_pages, v_pages, block_tables, lengths, sm_scal
     return float(sm_scale)
 
 
+def ragged_defaults(kv_lengths: jax.Array, q_offsets: jax.Array | None, T: int,
+                    max_len: int) -> tuple[jax.Array, jax.Array]:
+    """kv_lengths clamped to [0, max_len] and the query offsets (default: the T queries are
+    the last T keys, ``kv_lengths - T``), the contract both paged ops share."""
+    kv_lengths = jnp.clip(kv_lengths, 0, max_len)
+    return kv_lengths, (kv_lengths - T if q_offsets is None else q_offsets)
+
+
 def gather_pages(pages: jax.Array, block_tables: jax.Array, axis: int = 0) -> jax.Array:
     """Each sequence's pages in order: the [P, page] axes of ``pages`` starting at ``axis``
     become [B, pages_per_seq*page] (only the pages in the tables are read, the pool is not
     relaid out)."""
-    rows = jnp.take(pages, jnp.clip(block_tables, 0, pages.shape[axis] - 1), axis=axis)
+    # Out-of-range entries (unused table slots) read a clamped page, which the masks hide;
+    # "clip" rather than the default "fill" saves a copy of the gathered rows.
+    rows = jnp.take(pages, block_tables, axis=axis, mode="clip")
     shape = rows.shape
     return rows.reshape(*shape[:axis], shape[axis], shape[axis + 1] * shape[axis + 2], *shape[axis + 3:])
 
 
-def decode_mask(lengths: jax.Array, S: int, window: int | None) -> jax.Array:
-    """Which of S key positions the last token of each sequence sees -> bool [B,S]."""
-    pos = jnp.arange(S)[None, :]
-    visible = pos < lengths[:, None]
-    if window is not None:
-        visible &= pos >= lengths[:, None] - window
-    return visible
+def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lengths, *, q_offsets=None,
+                              sm_scale=None, window=None):
+    """Pure-jnp paged attention with the contract of :func:`paged_attention`: gathers each
+    sequence's keys and values into a contiguous [B,S,K,H], then
+    :func:`~dayzero.kernels.flash_attention.flash_attention_reference` (causal) over them."""
+    sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets,
+                                        sm_scale, window)
+    k, v = (jnp.moveaxis(gather_pages(x, block_tables, axis=1), 0, 2) for x in (k_pages, v_pages))
+    kv_lengths, q_offsets = ragged_defaults(kv_lengths, q_offsets, q.shape[1], k.shape[1])
+    return flash_attention_reference(q, k, v, causal=True, q_offsets=q_offsets, kv_lengths=kv_lengths,
+                                     sm_scale=sm_scale, window=window)
 
 
-def paged_attention_reference(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, window=None):
-    """Pure-jnp paged decode attention with the contract of :func:`paged_attention`: gathers
-    each sequence's keys and values into a contiguous [K,B,S,H], then plain softmax attention."""
-    sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, lengths, sm_scale, window)
-    B, N, H = q.shape
-    K = k_pages.shape[0]
-    k = gather_pages(k_pages, block_tables, axis=1)  # [K,B,S,H]
-    v = gather_pages(v_pages, block_tables, axis=1)
-    visible = decode_mask(lengths, k.shape[2], window)  # [B,S]
-    scores = jnp.einsum("bkgh,kbsh->bkgs", q.reshape(B, K, N // K, H), k,
-                        preferred_element_type=jnp.float32) * sm_scale
-    probs = tiles.masked_softmax(scores, visible[:, None, None, :])
-    v = jnp.where(visible[None, :, :, None], v.astype(jnp.float32), 0.0)  # stale slots can't leak (0*inf)
-    return jnp.einsum("bkgs,kbsh->bkgh", probs, v).reshape(B, N, H).astype(q.dtype)
+def _tile_range(q_offset, kv_len, first_row, *, block: int, num_rows: int, rows_per_token: int,
+                tile: int, split, tiles_per_split: int, window):
+    """The key tiles [lo, hi) of ``split`` that may hold keys visible to the rows
+    [first_row, first_row + block): up to the last real row's position (causal, and kv_len),
+    from the first row's window start."""
+    first_pos = q_offset + first_row // rows_per_token
+    last_pos = q_offset + (jnp.minimum(first_row + block, num_rows) - 1) // rows_per_token
+    end_key = jnp.maximum(jnp.minimum(kv_len, last_pos + 1), 0)
+    first_key = 0 if window is None else jnp.maximum(first_pos - window + 1, 0)
+    lo = jnp.maximum(split * tiles_per_split, first_key // tile)
+    hi = jnp.minimum((split + 1) * tiles_per_split, pl.cdiv(end_key, tile))
+    return lo, jnp.maximum(hi, lo)
 
 
-def _paged_kernel(lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale: float, window,
-                  page_size: int, pages_per_tile: int, tiles_per_split: int, key_parts: tiles.Parts,
-                  value_parts: tiles.Parts, values_in_keys: bool):
-    """One (sequence b, kv head, row block, split s): q_ref [rows,Dq], k_ref [P,page,Dq] (and
-    v_ref [P,page,Dv] unless the values are the keys' first columns); writes the unnormalised
-    acc [rows,Dv] and the softmax state m, l [rows]."""
+def _paged_kernel(q_offsets_ref, kv_lengths_ref, tables_ref, q_ref, k_ref, *refs, sm_scale: float,
+                  window, page_size: int, pages_per_tile: int, tiles_per_split: int, rows_per_token: int,
+                  num_rows: int, key_parts: tiles.Parts, value_parts: tiles.Parts, values_in_keys: bool):
+    """One (sequence b, kv head, row block r, split s): q_ref [block,Dq] (rows token-major,
+    ``rows_per_token`` per token, ``num_rows`` real ones in all), k_ref [P,page,Dq] (and v_ref
+    [P,page,Dv] unless the values are the keys' first columns); writes the unnormalised acc
+    [block,Dv] and the softmax state m, l [block]."""
     v_ref, (acc_ref, m_ref, l_ref) = (None, refs) if values_in_keys else (refs[0], refs[1:])
-    b, s = pl.program_id(0), pl.program_id(3)
-    length = lengths_ref[b]
+    b, r, s = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    q_offset, kv_len = q_offsets_ref[b], kv_lengths_ref[b]
+    block = q_ref.shape[0]
     tile = pages_per_tile * page_size
-    first_key = 0 if window is None else jnp.maximum(length - window, 0)
-    lo = jnp.maximum(s * tiles_per_split, first_key // tile)
-    hi = jnp.maximum(jnp.minimum((s + 1) * tiles_per_split, pl.cdiv(length, tile)), lo)
+    q_pos = q_offset + (r * block + jnp.arange(block)) // rows_per_token  # each row's key position
+    lo, hi = _tile_range(q_offset, kv_len, r * block, block=block, num_rows=num_rows,
+                         rows_per_token=rows_per_token, tile=tile, split=s,
+                         tiles_per_split=tiles_per_split, window=window)
     q_parts = [q_ref[:, o:o + n] for o, n in key_parts]
 
     def visit(j, state):
         pages = tables_ref[pl.ds(j * pages_per_tile, pages_per_tile)]
-        pos = j * tile + jnp.arange(tile)
-        valid = (pos < length) & (pos >= first_key)
+        k_pos = j * tile + jnp.arange(tile)
 
         def load(ref, o, n):  # [pages_per_tile, page, n] gathered through the table -> [tile, n]
             return ref[pages, :, o:o + n].reshape(tile, n)
 
         k_parts = [load(k_ref, o, n) for o, n in key_parts]
-        scores = jnp.where(valid[None, :], tiles.part_scores(q_parts, k_parts, sm_scale), -jnp.inf)
+        scores = tiles.part_scores(q_parts, k_parts, sm_scale)
+        scores = jnp.where(visible_keys(q_pos, k_pos, kv_len, True, window), scores, -jnp.inf)
         v_parts = k_parts[:len(value_parts)] if values_in_keys else [load(v_ref, o, n) for o, n in value_parts]
-        # Slots past the length may hold stale values; zero them so 0 * inf cannot give NaN.
-        v_parts = [jnp.where(valid[:, None], v, 0) for v in v_parts]
-        return tiles.softmax_update(state, scores, v_parts)
+        # Slots past kv_len may hold stale values; zero them so 0 * inf cannot give NaN.
+        real = (k_pos < kv_len)[:, None]
+        return tiles.softmax_update(state, scores, [jnp.where(real, v, 0) for v in v_parts])
 
-    m, l, acc = jax.lax.fori_loop(lo, hi, visit, tiles.softmax_init(q_ref.shape[0], value_parts))
+    m, l, acc = jax.lax.fori_loop(lo, hi, visit, tiles.softmax_init(block, value_parts))
     tiles.store_parts(acc_ref, acc, value_parts)
     m_ref[...] = m
     l_ref[...] = l
 
 
-def paged_decode_pallas(q, k_pages, v_pages, block_tables, lengths, *, sm_scale: float, window,
-                        key_parts: tiles.Parts, value_parts: tiles.Parts, interpret: bool,
-                        blocks: PagedBlocks | None) -> jax.Array:
-    """The kernel launch both paged ops share: q [B,K,R,Dq] (R query rows per kv head),
-    k_pages [K,P,page,Dq], v_pages [K,P,page,Dv] or None (values = the keys' ``value_parts``
-    columns) -> normalised fp32 [B,K,R,Dv]. Inputs are assumed validated."""
+def paged_pallas(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets, *, rows_per_token: int,
+                 sm_scale: float, window, key_parts: tiles.Parts, value_parts: tiles.Parts, interpret: bool,
+                 blocks: PagedBlocks | None) -> jax.Array:
+    """The kernel launch both paged ops share: q [B,K,R,Dq] (per kv head, R = T*rows_per_token
+    query rows, token-major), k_pages [K,P,page,Dq], v_pages [K,P,page,Dv] or None (values =
+    the keys' ``value_parts`` columns), kv_lengths [B], q_offsets [B] or None -> normalised fp32
+    [B,K,R,Dv]. Inputs are assumed validated."""
     B, K, R, Dq = q.shape
     P, page_size = k_pages.shape[1], k_pages.shape[2]
     Dv = sum(n for _, n in value_parts)
@@ -195,18 +227,20 @@ def paged_decode_pallas(q, k_pages, v_pages, block_tables, lengths, *, sm_scale:
     splits = max(1, min(num_tiles, -(-blocks.min_programs // (B * K * row_blocks))))
     tiles_per_split = -(-num_tiles // splits)
     tables = tiles.pad_axis(jnp.clip(block_tables, 0, P - 1), 1, splits * tiles_per_split * pages_per_tile)
-    lengths = jnp.clip(lengths, 0, block_tables.shape[1] * page_size)
+    kv_lengths, q_offsets = ragged_defaults(kv_lengths, q_offsets, R // rows_per_token,
+                                            block_tables.shape[1] * page_size)
 
     kernel = functools.partial(
         _paged_kernel, sm_scale=sm_scale, window=window, page_size=page_size,
-        pages_per_tile=pages_per_tile, tiles_per_split=tiles_per_split, key_parts=key_parts,
-        value_parts=value_parts, values_in_keys=v_pages is None)
+        pages_per_tile=pages_per_tile, tiles_per_split=tiles_per_split, rows_per_token=rows_per_token,
+        num_rows=R, key_parts=key_parts, value_parts=value_parts, values_in_keys=v_pages is None)
+    row_spec = pl.BlockSpec((B,), lambda b, k, r, s: (0,))
     page_spec = lambda d: pl.BlockSpec((None, P, page_size, d), lambda b, k, r, s: (k, 0, 0, 0))
-    in_specs = [pl.BlockSpec((B,), lambda b, k, r, s: (0,)),
+    in_specs = [row_spec, row_spec,
                 pl.BlockSpec((None, tables.shape[1]), lambda b, k, r, s: (b, 0)),
                 pl.BlockSpec((None, None, rows, Dq), lambda b, k, r, s: (b, k, r, 0)),
                 page_spec(Dq)]
-    operands = [lengths, tables, q, k_pages]
+    operands = [q_offsets, kv_lengths, tables, q, k_pages]
     if v_pages is not None:
         in_specs.append(page_spec(v_pages.shape[3]))
         operands.append(v_pages)
@@ -226,23 +260,27 @@ def paged_decode_pallas(q, k_pages, v_pages, block_tables, lengths, *, sm_scale:
     return tiles.combine_splits(acc, m, l, axis=2)[:, :, :R]
 
 
-def paged_attention_pallas(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, window=None,
-                           interpret=False, blocks: PagedBlocks | None = None):
+def paged_attention_pallas(q, k_pages, v_pages, block_tables, kv_lengths, *, q_offsets=None, sm_scale=None,
+                           window=None, interpret=False, blocks: PagedBlocks | None = None):
     """The Pallas kernel behind :func:`paged_attention` (``interpret`` runs it as XLA ops on any
     platform); ``blocks`` overrides the tiling table."""
-    sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, lengths, sm_scale, window)
-    B, N, H = q.shape
+    sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets,
+                                        sm_scale, window)
+    B, T, N, H = q.shape
     K = k_pages.shape[0]
+    G = N // K
     parts = tiles.pow2_parts(H)
-    out = paged_decode_pallas(q.reshape(B, K, N // K, H), k_pages, v_pages, block_tables, lengths,
-                              sm_scale=sm_scale, window=window, key_parts=parts, value_parts=parts,
-                              interpret=interpret, blocks=blocks)
-    return out.reshape(B, N, H).astype(q.dtype)
+    # Rows of kv head k: its G query heads of token 0, then of token 1, ...
+    rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+    out = paged_pallas(rows, k_pages, v_pages, block_tables, kv_lengths, q_offsets, rows_per_token=G,
+                       sm_scale=sm_scale, window=window, key_parts=parts, value_parts=parts,
+                       interpret=interpret, blocks=blocks)
+    return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
 
 
-def paged_attention(q, k_pages, v_pages, block_tables, lengths, *, sm_scale=None, window=None,
-                    mode: KernelMode | str = KernelMode.AUTO):
-    """Decode attention of one query per sequence q [B,N,H] over its K/V pages -> [B,N,H] (see
-    the module docstring for the layout), run as ``mode`` resolves on this platform."""
+def paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, *, q_offsets=None, sm_scale=None,
+                    window=None, mode: KernelMode | str = KernelMode.AUTO):
+    """Attention of T queries per sequence q [B,T,N,H] over its K/V pages -> [B,T,N,H] (see the
+    module docstring for the layout and masking), run as ``mode`` resolves on this platform."""
     return dispatch(mode, paged_attention_reference, paged_attention_pallas, q, k_pages, v_pages,
-                    block_tables, lengths, sm_scale=sm_scale, window=window)
+                    block_tables, kv_lengths, q_offsets=q_offsets, sm_scale=sm_scale, window=window)

@@ -1,11 +1,14 @@
 """Sparse latent attention over per-query selected tokens (DeepSeek Sparse Attention, V3.2).
 
-    sparse_attention(q [B,T,N,C], kv [B,S,C], indices [B,T,k] int32, *, value_dim, sm_scale)
-        -> [B,T,N,value_dim]
+    sparse_attention(q [B,T,N,C], kv [B,S,C] or [S,C], indices [B,T,k] int32, *, value_dim,
+                     sm_scale) -> [B,T,N,value_dim]
 
 Query t of row b attends, with every head, only to the latent rows ``kv[b, indices[b,t,:]]``
 that its indexer picked (``dayzero.model.dsa.select``); an index outside [0, S) (canonically
--1) means "no token" and is skipped, and a query with no token gives zeros. Each row is both the
+-1) means "no token" and is skipped, and a query with no token gives zeros. A ``kv`` of shape
+[S,C] is one pool of rows shared by every batch row (``kv[indices[b,t,:]]``): the serving
+engine passes its latent page pool flattened to [P*page, C] with the picks already translated
+to pool slots, so nothing is gathered per sequence before the kernel. Each row is both the
 key (all C columns) and the value (its first ``value_dim`` columns), as in the absorbed MLA form
 of ``dayzero.model.mla.attend_gathered``: there, ``kv`` is the cached rows followed by the new
 ones, and picks that are not visible become -1 here. The model scales its queries before the
@@ -65,12 +68,11 @@ def sparse_blocks(value_dim: int, interpret: bool) -> SparseBlocks:
 def validate_sparse_attention(q, kv, indices, value_dim, sm_scale) -> None:
     """Check shapes, dtypes and arguments, raising :class:`KernelError` naming the bad one."""
     tiles.check_rank(OP, "q", q, 4, "[B,T,N,C]")
-    tiles.check_rank(OP, "kv", kv, 3, "[B,S,C]")
     tiles.check_rank(OP, "indices", indices, 3, "int32 [B,T,k]")
     B, T, N, C = q.shape
-    if kv.shape[0] != B or kv.shape[2] != C or kv.shape[1] < 1:
+    if len(kv.shape) not in (2, 3) or kv.shape[-1] != C or kv.shape[-2] < 1 or kv.shape[:-2] not in ((), (B,)):
         raise KernelError(f"{OP}: kv has shape {tuple(kv.shape)}, expected [B={B}, S>=1, C={C}] "
-                          f"for q of shape {tuple(q.shape)}")
+                          f"(per row) or [S>=1, C={C}] (shared) for q of shape {tuple(q.shape)}")
     if tuple(indices.shape[:2]) != (B, T) or indices.shape[2] < 1 or indices.dtype != jnp.int32:
         raise KernelError(f"{OP}: indices must be int32 [B={B}, T={T}, k>=1], "
                           f"got {indices.dtype}{list(indices.shape)}")
@@ -84,10 +86,13 @@ def sparse_attention_reference(q, kv, indices, *, value_dim: int, sm_scale: floa
     """Pure-jnp sparse attention with the contract of :func:`sparse_attention`: gathers each
     query's k picked rows [B,T,k,C], then softmax attention over them."""
     validate_sparse_attention(q, kv, indices, value_dim, sm_scale)
-    B, T, k = indices.shape
-    valid = (indices >= 0) & (indices < kv.shape[1])  # [B,T,k]
-    picked = jnp.where(valid, indices, 0).reshape(B, T * k, 1)
-    rows = jnp.take_along_axis(kv, picked, axis=1).reshape(B, T, k, -1)
+    B = indices.shape[0]
+    S = kv.shape[-2]
+    valid = (indices >= 0) & (indices < S)  # [B,T,k]
+    picked = jnp.where(valid, indices, 0)
+    if kv.ndim == 3:  # per-row rows as one [B*S, C] pool, row b's rows from b*S
+        kv, picked = kv.reshape(B * S, -1), picked + (S * jnp.arange(B, dtype=picked.dtype))[:, None, None]
+    rows = jnp.take(kv, picked, axis=0)  # [B,T,k,C]
     rows = jnp.where(valid[..., None], rows, 0)  # empty picks read row 0: zero it (no 0 * inf)
     scores = jnp.einsum("btnc,btkc->btnk", q, rows, preferred_element_type=jnp.float32) * sm_scale
     probs = tiles.masked_softmax(scores, valid[:, :, None, :])
@@ -97,8 +102,8 @@ def sparse_attention_reference(q, kv, indices, *, value_dim: int, sm_scale: floa
 
 def _sparse_kernel(indices_ref, q_ref, kv_ref, o_ref, *, sm_scale: float, block_k: int,
                    num_tiles: int, key_parts: tiles.Parts, value_parts: tiles.Parts):
-    """One (row, query, head block): indices_ref [k_pad], q_ref [rows,C], kv_ref [S,C],
-    o_ref [rows,value_dim]."""
+    """One (row, query, head block): indices_ref [k_pad], q_ref [rows,C], kv_ref [S,C] (the
+    row's own rows or the shared pool), o_ref [rows,value_dim]."""
     num_rows = kv_ref.shape[0]
     q_parts = [q_ref[:, o:o + n] for o, n in key_parts]
 
@@ -114,6 +119,14 @@ def _sparse_kernel(indices_ref, q_ref, kv_ref, o_ref, *, sm_scale: float, block_
 
     state = jax.lax.fori_loop(0, num_tiles, visit, tiles.softmax_init(q_ref.shape[0], value_parts))
     tiles.store_parts(o_ref, tiles.softmax_finish(state), value_parts)
+
+
+def _kv_spec(kv) -> pl.BlockSpec:
+    """Row b's own rows [S,C] of a per-row kv; the whole of a shared pool for every program
+    (the kernel gathers only the picked rows, so the pool is never copied)."""
+    if kv.ndim == 2:
+        return pl.BlockSpec(kv.shape, lambda b, t, r: (0, 0))
+    return pl.BlockSpec((None,) + kv.shape[1:], lambda b, t, r: (b, 0, 0))
 
 
 def sparse_attention_pallas(q, kv, indices, *, value_dim: int, sm_scale: float, interpret=False,
@@ -136,7 +149,7 @@ def sparse_attention_pallas(q, kv, indices, *, value_dim: int, sm_scale: float, 
         grid=(B, T, qp.shape[2] // rows),
         in_specs=[pl.BlockSpec((None, None, picks.shape[2]), lambda b, t, r: (b, t, 0)),
                   pl.BlockSpec((None, None, rows, C), lambda b, t, r: (b, t, r, 0)),
-                  pl.BlockSpec((None,) + kv.shape[1:], lambda b, t, r: (b, 0, 0))],
+                  _kv_spec(kv)],
         out_specs=pl.BlockSpec((None, None, rows, value_dim), lambda b, t, r: (b, t, r, 0)),
         out_shape=jax.ShapeDtypeStruct((B, T, qp.shape[2], value_dim), q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
@@ -148,7 +161,7 @@ def sparse_attention_pallas(q, kv, indices, *, value_dim: int, sm_scale: float, 
 
 def sparse_attention(q, kv, indices, *, value_dim: int, sm_scale: float,
                      mode: KernelMode | str = KernelMode.AUTO):
-    """Latent attention of q [B,T,N,C] over the rows of kv [B,S,C] that ``indices`` [B,T,k]
-    picks per query -> [B,T,N,value_dim], run as ``mode`` resolves on this platform."""
+    """Latent attention of q [B,T,N,C] over the rows of kv [B,S,C] (or a shared pool [S,C])
+    that ``indices`` [B,T,k] picks per query -> [B,T,N,value_dim], run as ``mode`` resolves on this platform."""
     return dispatch(mode, sparse_attention_reference, sparse_attention_pallas, q, kv, indices,
                     value_dim=value_dim, sm_scale=sm_scale)

@@ -1,5 +1,5 @@
 """Each Pallas kernel, run in interpret mode, against its pure-jnp reference; and each reference
-against the model code it will replace.
+against the model code it will replace (or, for paged attention, against flash attention).
 
 Interpret mode is slow on CPU, so sizes are tiny (head dims 16-40, a few heads, tens of keys).
 Tolerances: fp32 paths differ only in summation order (1e-5). In bf16 both paths read the same
@@ -20,7 +20,8 @@ import pytest
 
 from dayzero.kernels import (flash_attention, flash_attention_pallas, flash_attention_reference, paged_attention,
                              paged_attention_pallas, paged_attention_reference, paged_latent_attention,
-                             paged_latent_attention_reference, sparse_attention, sparse_attention_reference)
+                             paged_latent_attention_pallas, paged_latent_attention_reference, sparse_attention,
+                             sparse_attention_reference)
 from dayzero.kernels.flash_attention import FlashBlocks
 from dayzero.kernels.paged_attention import PagedBlocks
 from dayzero.model import mla, transformer
@@ -129,90 +130,158 @@ def test_flash_reference_matches_model_attend():
         np.testing.assert_allclose(np.asarray(ours)[real], np.asarray(model)[real], rtol=1e-5, atol=1e-5)
 
 
-# --- paged decode attention (GQA/MQA and MLA latent) ---
+# --- ragged paged attention (GQA/MQA and MLA latent): decode (T=1) and chunked prefill ---
 
-# Page 8, 4 pages per sequence; lengths: empty, exactly one full page, a partial last page, all pages.
-PAGE, PAGES_PER_SEQ = 8, 4
-LENGTHS = np.array([0, 8, 13, 32], np.int32)
+# Pages of 8 tokens, 6 per sequence (48 keys), in a pool with spare pages.
+PAGE, PAGES_PER_SEQ = 8, 6
+# More pages than one tile per split: every program's page list split three ways (one tile of
+# two pages each), so causal ranges leave some splits empty and the merge sees them.
+SPLITS = PagedBlocks(tokens_per_tile=16, block_rows=16, min_programs=1 << 20)
+# Four pages per tile, 32-row blocks, two splits.
+WIDE_SPLITS = PagedBlocks(tokens_per_tile=32, block_rows=32, min_programs=1 << 20)
 
 
-def page_table(rng, B):
-    """Scattered page ids (from a pool with spare pages); entries past each sequence's pages
-    are -1, which must be ignored."""
+def ragged_rows(T):
+    """kv_lengths and q_offsets for T queries in 4 rows: no keys at all; one full page whose
+    last T keys are the queries (positions below 0 when T > 8 see nothing); a chunk at
+    positions 5.. that straddles pages; a chunk at 2.. in a sequence longer than its table
+    (50 keys, clamped to 48), whose later keys are in the queries' future."""
+    kv_lengths = np.array([0, PAGE, min(5 + T, PAGE * PAGES_PER_SEQ), 50], np.int32)
+    return kv_lengths, np.array([0, PAGE - T, 5, 2], np.int32)
+
+
+def page_table(rng, kv_lengths):
+    """Scattered page ids; entries past each sequence's pages are -1, which must be ignored."""
+    B = len(kv_lengths)
     P = B * PAGES_PER_SEQ + 3
     tables = rng.permutation(P)[: B * PAGES_PER_SEQ].reshape(B, PAGES_PER_SEQ)
-    used = np.arange(PAGES_PER_SEQ)[None, :] < -(-np.asarray(LENGTHS)[:, None] // PAGE)
+    used = np.arange(PAGES_PER_SEQ)[None, :] < -(-np.minimum(kv_lengths, PAGE * PAGES_PER_SEQ)[:, None] // PAGE)
     return np.where(used, tables, -1).astype(np.int32), P
 
 
-def poison_stale_slots(pages, tables, axis_offset: int):
+def poison_stale_slots(pages, tables, kv_lengths, axis_offset: int):
     """NaN in every slot of the pool that holds no token of any sequence."""
     stale = np.ones(pages.shape[axis_offset:axis_offset + 2], bool)  # [P, page]
-    for b, length in enumerate(np.asarray(LENGTHS)):
+    for b, length in enumerate(np.minimum(kv_lengths, PAGE * PAGES_PER_SEQ)):
         for t in range(int(length)):
             stale[int(tables[b, t // PAGE]), t % PAGE] = False
     shape = (1,) * axis_offset + stale.shape + (1,) * (pages.ndim - axis_offset - 2)
     return np.where(stale.reshape(shape), np.nan, pages).astype(pages.dtype)
 
 
+def paged_inputs(rng, T, heads, dtype, kv_lengths):
+    """q [B,T,N,H], poisoned k/v pages [K,P,PAGE,H] and the block tables."""
+    N, K, H = heads
+    tables, P = page_table(rng, kv_lengths)
+    q = normal(rng, (len(kv_lengths), T, N, H), dtype)
+    k_pages, v_pages = (poison_stale_slots(normal(rng, (K, P, PAGE, H), dtype), tables, kv_lengths, 1)
+                        for _ in range(2))
+    return q, k_pages, v_pages, tables
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-def test_paged_attention_ragged(heads, dtype):
-    """Lengths 0, one full page, a partial page and the whole table; two pages per tile and
-    the page list split in two (partial results merged), NaN in every stale slot."""
+def test_paged_attention_ragged_chunk(heads, dtype):
+    """5 queries per row at ragged offsets (see ``ragged_rows``), the page list split three
+    ways, NaN in every stale slot; the row without keys gives zeros."""
     rng = np.random.default_rng(4)
-    N, K, H = heads
-    B = len(LENGTHS)
-    tables, P = page_table(rng, B)
-    q = normal(rng, (B, N, H), dtype)
-    k_pages = poison_stale_slots(normal(rng, (K, P, PAGE, H), dtype), tables, 1)
-    v_pages = poison_stale_slots(normal(rng, (K, P, PAGE, H), dtype), tables, 1)
-    expected = run(paged_attention_reference, q, k_pages, v_pages, tables, LENGTHS)
-    split = PagedBlocks(tokens_per_tile=16, block_rows=16, min_programs=2 * B * K)
-    assert_close(run(paged_attention_pallas, q, k_pages, v_pages, tables, LENGTHS, interpret=True, blocks=split),
-                 expected, dtype)
+    kv_lengths, q_offsets = ragged_rows(5)
+    q, k_pages, v_pages, tables = paged_inputs(rng, 5, heads, dtype, kv_lengths)
+    kw = dict(q_offsets=q_offsets)
+    expected = run(paged_attention_reference, q, k_pages, v_pages, tables, kv_lengths, **kw)
+    assert expected.shape == q.shape
+    actual = run(paged_attention_pallas, q, k_pages, v_pages, tables, kv_lengths, interpret=True, blocks=SPLITS, **kw)
+    assert_close(actual, expected, dtype)
     assert not np.asarray(expected[0], np.float32).any()
 
 
-def test_paged_attention_window_default_tiles():
-    """A sliding window (keys t >= length - 5) with the interpret table's own tiling."""
+@pytest.mark.parametrize("offsets", ["default", "ragged"])
+@pytest.mark.parametrize("T", [1, 16, 37])
+def test_paged_attention_query_counts(T, offsets):
+    """Decode (T=1) and chunks of 16 and 37 queries (GQA: 32 and 74 rows, several row blocks
+    of 32 rows, the last partial), with the default offsets (the last T keys) or ragged ones;
+    four pages per tile, two splits."""
     rng = np.random.default_rng(5)
-    N, K, H = HEADS["gqa"]
-    B = len(LENGTHS)
-    tables, P = page_table(rng, B)
-    q, k_pages, v_pages = (normal(rng, shape, jnp.float32) for shape in [(B, N, H), (K, P, PAGE, H), (K, P, PAGE, H)])
-    expected = run(paged_attention_reference, q, k_pages, v_pages, tables, LENGTHS, window=5, sm_scale=0.3)
-    actual = run(paged_attention, q, k_pages, v_pages, tables, LENGTHS, window=5, sm_scale=0.3, mode=INTERPRET)
+    kv_lengths, q_offsets = ragged_rows(T)
+    q, k_pages, v_pages, tables = paged_inputs(rng, T, HEADS["gqa"], jnp.float32, kv_lengths)
+    kw = dict(q_offsets=None if offsets == "default" else q_offsets)
+    expected = run(paged_attention_reference, q, k_pages, v_pages, tables, kv_lengths, **kw)
+    actual = run(paged_attention_pallas, q, k_pages, v_pages, tables, kv_lengths, interpret=True,
+                 blocks=WIDE_SPLITS, **kw)
     assert_close(actual, expected, jnp.float32)
 
 
-def test_paged_reference_is_flash_at_the_last_position():
-    """Decode over pages equals flash attention of the last token over the gathered keys."""
+@pytest.mark.parametrize("T, blocks", [(1, None), (37, SPLITS)], ids=["decode-table", "chunk-splits"])
+def test_paged_attention_sliding_window(T, blocks):
+    """A window of 5 keys: for decode with the interpret table's tiling; for a chunk of 37
+    with splits, where later row blocks start past the first tiles (the loop skips them)."""
     rng = np.random.default_rng(6)
-    N, K, H = HEADS["gqa"]
-    B = len(LENGTHS)
-    tables, P = page_table(rng, B)
-    q, k_pages, v_pages = (normal(rng, shape, jnp.float32) for shape in [(B, N, H), (K, P, PAGE, H), (K, P, PAGE, H)])
+    kv_lengths, q_offsets = ragged_rows(T)
+    q, k_pages, v_pages, tables = paged_inputs(rng, T, HEADS["mqa"], jnp.float32, kv_lengths)
+    kw = dict(q_offsets=q_offsets, window=5, sm_scale=0.3)
+    expected = run(paged_attention_reference, q, k_pages, v_pages, tables, kv_lengths, **kw)
+    if blocks is None:
+        actual = run(paged_attention, q, k_pages, v_pages, tables, kv_lengths, mode=INTERPRET, **kw)
+    else:
+        actual = run(paged_attention_pallas, q, k_pages, v_pages, tables, kv_lengths, interpret=True,
+                     blocks=blocks, **kw)
+    assert_close(actual, expected, jnp.float32)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_paged_attention_is_flash_on_gathered_keys(T):
+    """Paged attention (reference and kernel) of T queries equals flash attention, causal, of
+    the same queries over each sequence's keys gathered into a contiguous array; T=1 with
+    the default offsets is decode at the last position."""
+    rng = np.random.default_rng(7)
+    kv_lengths, q_offsets = ragged_rows(T)
+    q, k_pages, v_pages, tables = paged_inputs(rng, T, HEADS["gqa"], jnp.float32, kv_lengths)
     safe = np.clip(tables, 0, None)
-    k = k_pages[:, safe].reshape(K, B, -1, H).transpose(1, 2, 0, 3)
-    v = v_pages[:, safe].reshape(K, B, -1, H).transpose(1, 2, 0, 3)
-    flash = run(flash_attention_reference, q[:, None], k, v, q_offsets=np.maximum(LENGTHS - 1, 0), kv_lengths=LENGTHS)
-    paged = run(paged_attention_reference, q, k_pages, v_pages, tables, LENGTHS)
-    np.testing.assert_allclose(paged, np.asarray(flash)[:, 0], rtol=1e-6, atol=1e-6)
+    k, v = (pages[:, safe].reshape(pages.shape[0], len(safe), -1, pages.shape[3]).transpose(1, 2, 0, 3)
+            for pages in (k_pages, v_pages))  # [B,S,K,H]
+    clamped = np.minimum(kv_lengths, k.shape[1])
+    paged_kw = dict(q_offsets=None) if T == 1 else dict(q_offsets=q_offsets)
+    flash_offsets = clamped - 1 if T == 1 else q_offsets
+    expected = run(flash_attention_reference, q, k, v, causal=True, q_offsets=flash_offsets, kv_lengths=kv_lengths)
+    for mode in ("reference", INTERPRET):
+        actual = run(paged_attention, q, k_pages, v_pages, tables, kv_lengths, mode=mode, **paged_kw)
+        np.testing.assert_allclose(actual, expected, rtol=1e-6 if mode == "reference" else 1e-5,
+                                   atol=1e-6 if mode == "reference" else 1e-5, err_msg=mode)
+
+
+def latent_inputs(rng, T, dtype, kv_lengths, N=4, C=40):
+    """Absorbed queries [B,T,N,C] and poisoned latent pages [P,PAGE,C] (32 value + 8 rope columns)."""
+    tables, P = page_table(rng, kv_lengths)
+    q = normal(rng, (len(kv_lengths), T, N, C), dtype)
+    return q, poison_stale_slots(normal(rng, (P, PAGE, C), dtype), tables, kv_lengths, 0), tables
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_paged_latent_attention_ragged(dtype):
-    """MLA latent pages: C = 32 value columns + 8 rope columns, 4 heads sharing the rows."""
-    rng = np.random.default_rng(7)
-    B, N, C, value_dim = len(LENGTHS), 4, 40, 32
-    tables, P = page_table(rng, B)
-    q = normal(rng, (B, N, C), dtype)
-    latent = poison_stale_slots(normal(rng, (P, PAGE, C), dtype), tables, 0)
-    kw = dict(value_dim=value_dim, sm_scale=0.15)
-    expected = run(paged_latent_attention_reference, q, latent, tables, LENGTHS, **kw)
-    assert expected.shape == (B, N, value_dim)
-    assert_close(run(paged_latent_attention, q, latent, tables, LENGTHS, mode=INTERPRET, **kw), expected, dtype)
+@pytest.mark.parametrize("T", [1, 5])
+def test_paged_latent_attention_ragged(T, dtype):
+    """MLA latent pages, 4 heads sharing the rows: decode with the default offsets, a chunk of
+    5 with ragged ones; the page list split three ways."""
+    rng = np.random.default_rng(8)
+    kv_lengths, q_offsets = ragged_rows(T)
+    q, latent, tables = latent_inputs(rng, T, dtype, kv_lengths)
+    kw = dict(value_dim=32, sm_scale=0.15, q_offsets=None if T == 1 else q_offsets)
+    expected = run(paged_latent_attention_reference, q, latent, tables, kv_lengths, **kw)
+    assert expected.shape == (4, T, 4, 32)
+    actual = run(paged_latent_attention_pallas, q, latent, tables, kv_lengths, interpret=True, blocks=SPLITS, **kw)
+    assert_close(actual, expected, dtype)
+    assert not np.asarray(expected[0], np.float32).any()
+
+
+def test_paged_latent_attention_long_chunk():
+    """37 queries x 4 heads = 148 rows of one "kv head" (10 row blocks), ragged offsets, the
+    interpret table's tiling."""
+    rng = np.random.default_rng(9)
+    kv_lengths, q_offsets = ragged_rows(37)
+    q, latent, tables = latent_inputs(rng, 37, jnp.float32, kv_lengths)
+    kw = dict(value_dim=32, sm_scale=0.15, q_offsets=q_offsets)
+    expected = run(paged_latent_attention_reference, q, latent, tables, kv_lengths, **kw)
+    assert_close(run(paged_latent_attention, q, latent, tables, kv_lengths, mode=INTERPRET, **kw), expected,
+                 jnp.float32)
 
 
 # --- sparse (DSA) attention ---
@@ -239,6 +308,23 @@ def test_sparse_attention(dtype):
     assert expected.shape == (2, 3, 4, 32)
     assert_close(run(sparse_attention, q, kv, idx, mode=INTERPRET, **kw), expected, dtype)
     assert not np.asarray(expected[0, 0], np.float32).any()
+
+
+@pytest.mark.parametrize("mode", ["reference", INTERPRET])
+def test_sparse_attention_shared_pool(mode):
+    """kv [S,C] shared by every batch row equals the per-row form with kv broadcast; and
+    per-row rows [B,S,C] equal one pool [B*S,C] with each row's picks moved to its part of
+    the pool (as the serving engine translates picks to page-pool slots), -1 kept."""
+    rng = np.random.default_rng(10)
+    q, kv, idx = sparse_inputs(rng, 2, 3, 30, 20, jnp.float32)
+    kw = dict(value_dim=32, sm_scale=0.2)
+    shared = kv[1]
+    expected = run(sparse_attention_reference, q, np.broadcast_to(shared, kv.shape), idx, **kw)
+    assert_close(run(sparse_attention, q, shared, idx, mode=mode, **kw), expected, jnp.float32)
+    valid = (idx >= 0) & (idx < kv.shape[1])
+    pool_idx = np.where(valid, idx + kv.shape[1] * np.arange(2)[:, None, None], -1).astype(np.int32)
+    assert_close(run(sparse_attention, q, kv.reshape(-1, kv.shape[2]), pool_idx, mode=mode, **kw),
+                 run(sparse_attention_reference, q, kv, idx, **kw), jnp.float32)
 
 
 def test_sparse_reference_matches_model_attend_gathered():
