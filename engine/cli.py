@@ -94,28 +94,29 @@ def _resolve_kernels(choice: str, mesh: str | None):
         if choice != "auto":
             raise CommandError(f"--kernels {choice} runs on one device, not on --mesh {mesh}; "
                                "drop --mesh or use --kernels reference")
-        mode, info = _reference_instead(info)
+        mode, info = KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
     return mode, info
 
 
-def _reference_instead(info: dict):
-    """``auto``'s choice changed to the reference path (for what the kernels cannot serve)."""
-    from dayzero.kernels import KernelMode
-
-    return KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
-
-
-def _generate_on_kernels(engine, prompt, args: argparse.Namespace, sampling, mode):
-    """One request through the paged serving engine, whose decode steps read the KV pages with
-    the paged attention kernels (``Engine.generate`` runs the contiguous cache's reference
-    attention); prefill runs the reference path either way."""
+def _generate_on_kernels(engine, prompt, args: argparse.Namespace, sampling, mode, on_text):
+    """One request through the paged serving engine, whose prefill and decode steps attend on
+    the kernels (``Engine.generate`` runs the contiguous cache's reference attention); its text
+    goes to ``on_text(row, text)`` as tokens come, when given."""
     from dayzero.engine.serving import ServingConfig, ServingEngine
+    from dayzero.engine.tokenizer import StreamDecoder
 
     ids = engine.prompt_ids(prompt, args.chat)
     engine.check_length(ids, args.max_new_tokens)
     context = max(2, min(len(ids) + args.max_new_tokens, engine.config.max_position_embeddings))
     server = ServingEngine(engine, ServingConfig(slots=1, max_context=context, kernels=mode))
-    return server.run([ids], max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)[0]
+    request = server.submit(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)
+    decoder = StreamDecoder(engine.tokenizer) if on_text and engine.tokenizer else None
+    for event in server.stream():
+        if decoder:
+            on_text(0, decoder.push(event.token))
+    if decoder:
+        on_text(0, decoder.flush())
+    return server.completion(request)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -235,7 +236,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``dayzero generate``."""
     from dayzero.engine.generate import Engine
-    from dayzero.engine.paged_steps import serving_kernels
     from dayzero.engine.sampling import SamplingParams
     from dayzero.kernels import KernelMode
 
@@ -246,13 +246,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
     engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
-    if kernels is not KernelMode.REFERENCE and serving_kernels(engine.config, args.kernels) is KernelMode.REFERENCE:
-        kernels, kernels_info = _reference_instead(kernels_info)  # auto, on a model the kernels cannot serve
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     if kernels is not KernelMode.REFERENCE:
-        result = _generate_on_kernels(engine, prompt, args, sampling, kernels)
-        if stream is not None:
-            stream(0, result.text)
+        result = _generate_on_kernels(engine, prompt, args, sampling, kernels, stream)
     else:
         result = engine.generate(
             prompt,

@@ -37,27 +37,9 @@ from dayzero.engine.generate import GenerationError, bucket
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
 from dayzero.model.config import ModelConfig
 from dayzero.kernels import KernelMode, resolve_mode
-from dayzero.kernels.mode import parse_mode
-from dayzero.model.paged_cache import append_to_pages, decode_view, init_paged_cache, with_decoded
+from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, with_written
 from dayzero.model.transformer import forward
 from dayzero.model.weights import Weights
-
-
-def serving_kernels(model: ModelConfig, requested: KernelMode | str) -> KernelMode:
-    """The concrete kernel mode the paged engine runs ``model`` with.
-
-    ``auto`` resolves per platform, except for sparse attention (DeepSeek-V3.2), which the paged
-    kernels cannot serve (they attend densely): there it means the reference path, and an
-    explicit Pallas mode is an error.
-    """
-    mode = resolve_mode(requested)
-    if model.dsa is None or mode is KernelMode.REFERENCE:
-        return mode
-    if parse_mode(requested) is KernelMode.AUTO:
-        return KernelMode.REFERENCE
-    raise GenerationError(
-        f"--kernels {mode.value} cannot serve sparse attention (DeepSeek-V3.2's indexer): "
-        "the paged kernels attend densely; use --kernels reference")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +53,11 @@ class ServingConfig:
     max_chunk / min_chunk: prefill tokens per step (powers of two). chunk_budget: cap on
     chunk tokens x attended positions per prefill step (bounds its attention memory).
     min_table_pages: narrowest block table read (a power of two). prefix_cache: reuse the
-    pages of a shared prompt prefix. kernels: how decode steps attend (``--kernels``; resolved
-    for the platform by :meth:`resolve`): reference gathers each row's pages, pallas and
-    pallas_interpret read them in place with the paged kernels (``dayzero.model.paged_decode``);
-    prefill chunks always take the reference path.
+    pages of a shared prompt prefix. kernels: how steps attend (``--kernels``; resolved for the
+    platform by :meth:`resolve`): reference gathers each row's pages; pallas and
+    pallas_interpret run a first prefill chunk on the flash (or sparse) kernel and read the pages
+    in place with the paged (or sparse) kernels in every later step, prefill chunk or decode
+    (``dayzero.model.kernel_attention``).
     """
 
     slots: int = 8
@@ -119,7 +102,7 @@ class ServingConfig:
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
         return dataclasses.replace(self, max_context=context, num_pages=pages,
-                                   kernels=serving_kernels(model, self.kernels))
+                                   kernels=resolve_mode(self.kernels))
 
     # ---- shape policy (on a resolved config) ----------------------------------------------------
 
@@ -188,18 +171,18 @@ def _sample_rows(logits, temperature, top_k, top_p, min_p, keys, steps, mode: Sa
     return sample(logits, rows, steps, mode)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _forward_logits(weights, tokens, num_new, cache, *, config):
-    return forward(weights, config, tokens, cache, num_new)
+@functools.partial(jax.jit, static_argnames=("config", "kernels"))
+def _forward_logits(weights, tokens, num_new, cache, *, config, kernels=KernelMode.REFERENCE):
+    return forward(weights, config, tokens, cache, num_new, kernels=kernels)
 
 
 _append = jax.jit(append_to_pages, donate_argnums=(0,))
 
 
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("view",))
-def _decode_in_place(weights, tokens, view, *, config):
+def _forward_in_place(weights, tokens, view, *, config):
     # One jit for the forward and the page writes, with the pool donated: each layer writes the
-    # new token into its pages before the kernel reads them (see dayzero.model.paged_decode).
+    # new tokens into its pages before the kernel reads them (see dayzero.model.kernel_attention).
     return forward(weights, config, tokens, view, view.num_new)
 
 
@@ -261,27 +244,27 @@ class PagedSteps:
         ``width``: the table width the attention reads (None: nothing cached, read nothing).
         """
         self.shapes_run.add((*tokens.shape, width))
-        if self.decodes_in_place(tokens.shape[1], width):
-            return self._decode_in_place(tokens, num_new, lengths, tables, width)
+        if self.reads_in_place(width):
+            return self._run_in_place(tokens, num_new, lengths, tables, width)
         logits, new = _forward_logits(self.weights, *self.forward_args(tokens, num_new, lengths, tables, width),
-                                      config=self.config)
+                                      config=self.config, kernels=self.serving.kernels)
         self.pool = _append(self.pool.replace(block_tables=jnp.asarray(tables, jnp.int32),
                                               lengths=jnp.asarray(lengths, jnp.int32)), new)
         return logits
 
-    def decodes_in_place(self, T: int, width: int | None) -> bool:
-        """Whether a step of T tokens per row reading ``width`` table pages runs on the paged
-        kernels (decode steps with a kernel mode) rather than the gathered reference path."""
-        return self.serving.kernels is not KernelMode.REFERENCE and T == 1 and width is not None
+    def reads_in_place(self, width: int | None) -> bool:
+        """Whether a step reading ``width`` table pages runs on the paged kernels (any step that
+        reads the cache, with a kernel mode) rather than the gathered reference path."""
+        return self.serving.kernels is not KernelMode.REFERENCE and width is not None
 
-    def _decode_in_place(self, tokens, num_new, lengths, tables, width) -> jax.Array:
-        """``run`` for a decode step on the paged kernels: forward and page writes in one call."""
+    def _run_in_place(self, tokens, num_new, lengths, tables, width) -> jax.Array:
+        """``run`` for a step on the paged kernels: forward and page writes in one call."""
         read = self.pool.replace(block_tables=jnp.asarray(tables[:, :width], jnp.int32),
                                  lengths=jnp.asarray(lengths, jnp.int32))
-        view = decode_view(read, jnp.asarray(num_new, jnp.int32), self.serving.kernels,
+        view = kernel_view(read, jnp.asarray(num_new, jnp.int32), self.serving.kernels,
                            tuple(self.config.sliding_windows))
-        logits, view = _decode_in_place(self.weights, jnp.asarray(tokens, jnp.int32), view, config=self.config)
-        self.pool = with_decoded(self.pool, view)
+        logits, view = _forward_in_place(self.weights, jnp.asarray(tokens, jnp.int32), view, config=self.config)
+        self.pool = with_written(self.pool, view)
         return logits
 
     def forward_args(self, tokens, num_new, lengths, tables, width) -> tuple:

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from dayzero.model import dsa
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
-from dayzero.model.paged_decode import PagedDecodeLayer
+from dayzero.model.kernel_attention import KernelLayer
 from dayzero.model.quant import dequantized, take_along_axis
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
 from dayzero.model.weights import MLAWeights
@@ -217,9 +217,10 @@ def mla_block(
     ``(latent rows [B,S,L+R],)``, plus the indexer keys [B,S,J] with sparse attention.
 
     Returns the output [B,T,D] and what ``append_to_cache`` adds, in the same order: the new
-    latent rows [B,T,L+R] (and indexer keys [B,T,J]). A :class:`PagedDecodeLayer` cache (a
-    decode step with the paged kernels) is read in place, the new rows written into its pages
-    first; the written pages are returned in their place. ``attend``: dense latent attention with
+    latent rows [B,T,L+R] (and indexer keys [B,T,J]). A kernel layer
+    (``dayzero.model.kernel_attention``) attends on the kernels instead: over the new rows only (a
+    first prefill), or over its pages, the new rows written first, the written pages then
+    returned in their place. ``attend``: dense latent attention with
     ``attend_latent``'s signature (``dayzero.model.mla_parallel`` swaps in a version for a
     cache split over devices); sparse attention uses it where it scans the cache densely.
     """
@@ -229,16 +230,23 @@ def mla_block(
     q_latent = jnp.einsum("btnp,lnp->btnl", q_nope, dequantized(w.k_up, x.dtype))  # k_up folded into the query
     q_cat = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1) * softmax_scale(config)
     new = latent_rows(w, config, x, cos_sin)
-    if isinstance(layer_cache, PagedDecodeLayer):  # a decode step with the paged kernels
+    on_kernels = isinstance(layer_cache, KernelLayer)
+    if config.dsa is None and on_kernels:
         attended, added = layer_cache.attend_latent(q_cat, new, m.kv_lora_rank)
     elif config.dsa is None:
         added = (new,)
         attended = attend(q_cat, None if layer_cache is None else layer_cache[0], new, masks)
     else:
         new_keys = dsa.index_keys(w.indexer, config, x, cos_sin)
-        added = (new, new_keys)
-        attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys, masks,
-                                     attend)
+        if on_kernels:
+            def select(key_cache):  # called by the kernel layer, which holds the cached indexer keys
+                return dsa.select(w.indexer, config, x, q_lora, cos_sin, key_cache, new_keys, masks)
+
+            attended, added = layer_cache.attend_sparse(q_cat, new, new_keys, select, m.kv_lora_rank)
+        else:
+            added = (new, new_keys)
+            attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys,
+                                         masks, attend)
     out_latent = attended[..., : m.kv_lora_rank]
     out = jnp.einsum("btnl,lnv->btnv", out_latent, dequantized(w.v_up, x.dtype))  # v_up applied after attention
     B, T, N, V = out.shape

@@ -18,8 +18,8 @@ attention blocks take (K and V [B,K,S,H], keys token-major unlike the contiguous
 paged kernel reads the pages in place.
 ``append_to_pages`` writes what ``forward`` returns into the pages (jit it apart from
 ``forward``, with the cache donated, for the reason the transformer module docstring gives).
-With a kernel mode, a decode step reads the pages in place instead: ``decode_view`` wraps the
-cache for it and ``with_decoded`` takes the written pages back (``dayzero.model.paged_decode``).
+With a kernel mode, a step reads the pages in place instead: ``kernel_view`` wraps the cache for
+it and ``with_written`` takes the written pages back (``dayzero.model.kernel_attention``).
 """
 
 from __future__ import annotations
@@ -30,11 +30,11 @@ from flax import struct
 
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
-from dayzero.model.paged_decode import PagedDecodeCache, page_slots, write_head_rows, write_rows
+from dayzero.model.kernel_attention import PagedKernelCache, gather_pages, page_slots, write_head_rows, write_rows
 from dayzero.model.transformer import NewKV, NewLatent
 
 __all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "page_slots", "append_to_pages",
-           "decode_view", "with_decoded"]
+           "kernel_view", "with_written"]
 
 
 @struct.dataclass
@@ -73,7 +73,7 @@ class PagedKVCache:
         the gathered copy cost more than the whole attention (``attend`` reads them token-major).
         """
         tables = _after(self.block_tables, after)
-        return _gather_pages(self.k_pages[i], tables), _gather_pages(self.v_pages[i], tables)
+        return gather_pages(self.k_pages[i], tables), gather_pages(self.v_pages[i], tables)
 
 
 def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
@@ -88,27 +88,6 @@ def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
         return block_tables
     flag = jnp.isnan(after.reshape(-1)[0]).astype(block_tables.dtype)
     return jnp.minimum(block_tables, block_tables + flag)
-
-
-def _gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Each row's pages, in table order: [K,P,page,H] -> [B,K,W*page,H], or [P,page,C] -> [B,W*page,C].
-
-    One gather of whole pages (rows of page*H values), already in the output's order, so the
-    result needs no transpose. Table entries are valid page ids by construction.
-    """
-    B, W = block_tables.shape
-    if pages.ndim == 3:
-        P, page, C = pages.shape
-        return _gather_rows(pages.reshape(P, page * C), block_tables.reshape(-1)).reshape(B, W * page, C)
-    K, P, page, H = pages.shape
-    rows = jnp.arange(K, dtype=block_tables.dtype)[None, :, None] * P + block_tables[:, None, :]
-    return _gather_rows(pages.reshape(K * P, page * H), rows.reshape(-1)).reshape(B, K, W * page, H)
-
-
-def _gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
-    """``table[rows]`` for in-bounds ``rows``: a plain row gather (unsigned indices need no
-    wrap-around of negative ones, which XLA:CPU would otherwise compute for every element)."""
-    return table.at[rows.astype(jnp.uint32)].get(mode="promise_in_bounds")
 
 
 @struct.dataclass
@@ -137,10 +116,10 @@ class PagedLatentCache:
         """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages
         once ``after`` (the layer's input) is computed."""
         tables = _after(self.block_tables, after)
-        latent = _gather_pages(self.latent_pages[i], tables)
+        latent = gather_pages(self.latent_pages[i], tables)
         if self.index_key_pages is None:
             return (latent,)
-        return latent, _gather_pages(self.index_key_pages[i], tables)
+        return latent, gather_pages(self.index_key_pages[i], tables)
 
 
 def init_paged_cache(
@@ -193,25 +172,24 @@ def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLate
     return cache.replace(k_pages=k, v_pages=v, lengths=cache.lengths + new.num_new, rope_len=new.rope_len)
 
 
-def decode_view(cache: PagedKVCache | PagedLatentCache, num_new: jax.Array, mode: KernelMode,
-                windows: tuple[int | None, ...]) -> PagedDecodeCache:
-    """``cache`` as a decode step with the paged kernels reads it (``mode`` resolved, not
-    reference; ``windows``: each layer's sliding window). Not for sparse attention, whose
-    indexer keys the kernels do not read."""
-    if isinstance(cache, PagedLatentCache):
-        if cache.index_key_pages is not None:
-            raise ValueError("the paged decode kernels do not serve sparse attention (indexer keys); "
-                             "use --kernels reference")
+def kernel_view(cache: PagedKVCache | PagedLatentCache, num_new: jax.Array, mode: KernelMode,
+                windows: tuple[int | None, ...]) -> PagedKernelCache:
+    """``cache`` as a step on the kernels reads it (``mode`` resolved, not reference; ``windows``:
+    each layer's sliding window)."""
+    if isinstance(cache, PagedKVCache):
+        pages = tuple(zip(cache.k_pages, cache.v_pages))
+    elif cache.index_key_pages is None:
         pages = tuple((p,) for p in cache.latent_pages)
     else:
-        pages = tuple(zip(cache.k_pages, cache.v_pages))
-    return PagedDecodeCache(pages, cache.block_tables, cache.lengths, cache.rope_len, num_new, mode, windows)
+        pages = tuple(zip(cache.latent_pages, cache.index_key_pages))
+    return PagedKernelCache(pages, cache.block_tables, cache.lengths, cache.rope_len, num_new, mode, windows)
 
 
-def with_decoded(cache: PagedKVCache | PagedLatentCache, view: PagedDecodeCache) -> PagedKVCache | PagedLatentCache:
-    """``cache`` holding the pages, lengths and ``rope_len`` of a decode step's written ``view``."""
-    if isinstance(cache, PagedLatentCache):
-        return cache.replace(latent_pages=tuple(p[0] for p in view.pages), lengths=view.lengths,
-                             rope_len=view.rope_len)
-    return cache.replace(k_pages=tuple(p[0] for p in view.pages), v_pages=tuple(p[1] for p in view.pages),
-                         lengths=view.lengths, rope_len=view.rope_len)
+def with_written(cache: PagedKVCache | PagedLatentCache, view: PagedKernelCache) -> PagedKVCache | PagedLatentCache:
+    """``cache`` holding the pages, lengths and ``rope_len`` of a kernel step's written ``view``."""
+    moved = dict(lengths=view.lengths, rope_len=view.rope_len)
+    if isinstance(cache, PagedKVCache):
+        return cache.replace(k_pages=tuple(p[0] for p in view.pages), v_pages=tuple(p[1] for p in view.pages),
+                             **moved)
+    keys = None if cache.index_key_pages is None else tuple(p[1] for p in view.pages)
+    return cache.replace(latent_pages=tuple(p[0] for p in view.pages), index_key_pages=keys, **moved)

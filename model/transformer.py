@@ -33,7 +33,8 @@ from dayzero.model.moe import moe, swiglu
 from dayzero.model.moe_parallel import moe_expert_parallel
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
-from dayzero.model.paged_decode import PagedDecodeCache, PagedDecodeLayer
+from dayzero.kernels import KernelMode
+from dayzero.model.kernel_attention import KernelLayer, NewTokensLayer, PagedKernelCache
 from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, dequantized, quantize_like, scale_shape
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.weights import (
@@ -250,7 +251,7 @@ def attention_block(
     config: ModelConfig,
     x: jax.Array,
     cos_sin: tuple[jax.Array, jax.Array],
-    layer_cache: tuple[jax.Array, jax.Array] | PagedDecodeLayer | None,
+    layer_cache: tuple[jax.Array, jax.Array] | KernelLayer | None,
     masks: tuple[jax.Array | None, jax.Array],
     keys_token_major: bool = False,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
@@ -258,9 +259,9 @@ def attention_block(
     layouts (``keys_token_major`` as :func:`attend`), or None. Returns the output and the new
     (keys, values) [B,T,K,H].
 
-    A :class:`PagedDecodeLayer` cache (a decode step with the paged kernels) is read in place
-    instead; the new keys/values are written into its pages first, and the written (key pages,
-    value pages) are returned in their place."""
+    A kernel layer (``dayzero.model.kernel_attention``) attends on the kernels instead: over the
+    new keys only (a first prefill), or over its pages, written first, whose written (key pages,
+    value pages) are then returned in place of the new keys/values."""
     q = jnp.einsum("btd,dnh->btnh", x, dequantized(w.q, x.dtype))
     k = jnp.einsum("btd,dkh->btkh", x, dequantized(w.k, x.dtype))
     v = jnp.einsum("btd,dkh->btkh", x, dequantized(w.v, x.dtype))
@@ -271,7 +272,7 @@ def attention_block(
         k = rms_norm(k, w.k_norm, config.rms_norm_eps)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if isinstance(layer_cache, PagedDecodeLayer):
+    if isinstance(layer_cache, KernelLayer):
         out, new = layer_cache.attend(q, k, v)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
@@ -356,12 +357,13 @@ def forward(
     weights: Weights,
     config: ModelConfig,
     tokens: jax.Array,
-    cache: KVCache | LatentCache | PagedDecodeCache | None = None,
+    cache: KVCache | LatentCache | PagedKernelCache | None = None,
     num_new: jax.Array | None = None,
     all_logits: bool = False,
     hidden_out: list | None = None,
     parallel: Parallel | None = None,
-) -> tuple[jax.Array, NewKV | NewLatent | PagedDecodeCache]:
+    kernels: KernelMode = KernelMode.REFERENCE,
+) -> tuple[jax.Array, NewKV | NewLatent | PagedKernelCache]:
     """Run ``tokens`` [B,T] as the continuation of each cached row (from scratch if no cache).
 
     ``num_new`` [B] is how many of the T tokens of each row are real (default: all T).
@@ -372,8 +374,10 @@ def forward(
     cache costs as much attention work as a full one. ``parallel`` (on a mesh): MoE blocks
     dispatch tokens to the devices owning their experts when the experts are split, latent
     attention works on each device's slice of a split latent cache (``dayzero.model.parallel``).
-    A :class:`~dayzero.model.paged_decode.PagedDecodeCache` (a decode step with the paged
-    kernels) is returned written, in place of the new keys/values.
+    ``kernels`` (a resolved mode): with ``cache`` None and a Pallas mode, the new tokens attend
+    to each other on the kernels (``dayzero.model.kernel_attention``). A
+    :class:`~dayzero.model.kernel_attention.PagedKernelCache` (a step on the paged kernels,
+    which carries its own mode) is returned written, in place of the new keys/values.
     """
     B, T = tokens.shape
     if num_new is None:
@@ -394,7 +398,12 @@ def forward(
     new = []  # per layer, what it adds to the cache
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
-        layer_cache = None if cache is None else cache.layer(i, after=x)
+        if cache is not None:
+            layer_cache = cache.layer(i, after=x)
+        elif kernels is not KernelMode.REFERENCE:
+            layer_cache = NewTokensLayer(num_new, kernels, config.sliding_windows[i])
+        else:
+            layer_cache = None
         x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel, token_major)
         new.append(added)
         if hidden_out is not None:
@@ -406,7 +415,7 @@ def forward(
     logits = output_logits(weights, x)
     if not all_logits:
         logits = logits[:, 0, :]
-    if isinstance(cache, PagedDecodeCache):  # the blocks wrote the pages themselves
+    if isinstance(cache, PagedKernelCache):  # the blocks wrote the pages themselves
         return logits, cache.written(new, rope_len)
     if config.mla is not None:
         keys = None if config.dsa is None else tuple(n[1] for n in new)
