@@ -56,11 +56,10 @@ def build_hf_model(family: str = "llama", seed: int = 0, **overrides):
     or bias in the port; they are drawn at random here.
     """
     import torch
-    from transformers import AutoModelForCausalLM
 
-    config = _config_class(family)(**{**TINY, **overrides})
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    from tests.hf_helpers import hf_model
+
+    model = hf_model(_config_class(family)(**{**TINY, **overrides}), seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -225,11 +224,17 @@ def _quantized_vs_hf(config, weights, scheme: str, kv: str, long_ids, hf_long, p
 
 @pytest.fixture(scope="session")
 def quantized_vs_hf():
-    """``(config, weights, scheme, kv, long_ids, hf_long, prompt, hf_tokens) -> result``, asserted
+    """``(case, scheme, kv, prompt_len, new) -> result`` for a parity case of tests.hf_helpers:
+    its model quantized by ``scheme`` / ``kv`` against HF over the case's long prompt, and over
+    HF's ``new`` greedy tokens after a random ``prompt_len``-token prompt (seed 2); asserted
     against ``MOE_GATES``."""
-    def check(*args):
-        result = _quantized_vs_hf(*args)
-        kl_mean, kl_max, agree = MOE_GATES[(args[2], args[3])]
+    def check(case, scheme: str, kv: str, prompt_len: int, new: int):
+        from tests.hf_helpers import hf_greedy, random_ids
+
+        prompt = random_ids(prompt_len, case.config.vocab_size, seed=2)
+        result = _quantized_vs_hf(case.config, case.weights, scheme, kv, case.long_ids, case.hf_long, prompt,
+                                  hf_greedy(case.hf, prompt, new))
+        kl_mean, kl_max, agree = MOE_GATES[(scheme, kv)]
         assert result["kl_mean"] <= kl_mean and result["kl_max"] <= kl_max, result
         assert result["greedy_agreement"] >= agree, result
         return result

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import math
 import shutil
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -30,20 +29,16 @@ from safetensors.torch import load_file, save_file
 
 from dayzero.convert import ConvertError, convert_checkpoint, load_checkpoint
 from dayzero.convert.fp8 import dequantize_blocks
-from dayzero.engine import Engine
 from dayzero.model.config import AttentionKind, ConfigError, Family, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
-from dayzero.model.transformer import LatentCache, append_to_cache, forward, init_cache
-from dayzero.model.weights import named_leaves
+from dayzero.model.transformer import LatentCache, init_cache
+from tests.hf_helpers import (
+    MIN_ROUTER_GAP, REL_TOL, all_logits, assert_change_is_effective, assert_logits_match, assert_same_weights,
+    assert_steps_match_full, convert_case, copy_hf_checkpoint, greedy_vs_hf, hf_greedy, hf_logits, hf_model, random_ids,
+)
 
 LONG, SHORT, NEW, PREFILL = 500, 20, 32, 480
-REL_TOL = 1e-4  # as test_parity.py: 1e-4 * max|HF logits|
-STEP_REL_TOL = 1e-5
-MIN_ROUTER_GAP = 1e-4  # see test_moe.py: 100x the ~1e-6 relative difference of the hidden states
 N_GROUP, TOPK_GROUP, EXPERTS, TOP_K = 2, 1, 8, 2
-
-_forward = jax.jit(forward, static_argnums=(1,), static_argnames=("all_logits",))
-_append = jax.jit(append_to_cache)
 
 COMMON = dict(
     hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
@@ -65,10 +60,7 @@ SEEDS = {"q_lora": 9, "no_q_lora": 9}
 
 def build_hf_deepseek(name: str, seed: int, **overrides):
     """A tiny random HF DeepseekV3 model: fp32, eager, random norm weights and selection biases."""
-    config = transformers.DeepseekV3Config(**{**COMMON, **CASES[name], **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="eager", dtype=torch.float32).eval()
+    model = hf_model(transformers.DeepseekV3Config(**{**COMMON, **CASES[name], **overrides}), seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
@@ -77,10 +69,6 @@ def build_hf_deepseek(name: str, seed: int, **overrides):
             if bname.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.1)
     return model
-
-
-def _random_ids(n: int, vocab: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, size=(1, n)).astype(np.int32)
 
 
 def routing_gaps(router_logits: np.ndarray, bias: np.ndarray) -> tuple[float, float]:
@@ -108,19 +96,12 @@ def hf_min_gap(model, ids: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
+def case(request, hf_factory, tmp_path_factory):
     """One converted tiny DeepSeek-V3 model with HF's logits of the long prompt."""
     hf = build_hf_deepseek(request.param, SEEDS[request.param])
-    root = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(root / "hf")
-    convert_checkpoint(root / "hf", root / "dz", progress=False)
-    config, weights = load_checkpoint(root / "dz", dtype=jnp.float32)
-    ids = _random_ids(LONG, config.vocab_size, seed=1)
-    with torch.no_grad():
-        hf_long = hf(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
-    logits, _ = _forward(weights, config, jnp.asarray(ids), None, all_logits=True)
-    return SimpleNamespace(name=request.param, hf=hf, root=root, config=config, weights=weights, long_ids=ids,
-                           hf_long=hf_long, ours_long=np.asarray(logits), engine=Engine(config, weights))
+    c = convert_case(hf_factory, tmp_path_factory.mktemp(request.param), request.param, hf, LONG)
+    c.hf_long = hf_logits(hf, c.long_ids)
+    return c
 
 
 # ---- whole-model parity ------------------------------------------------------------------------
@@ -136,45 +117,30 @@ def test_converted_config(case):
     assert ModelConfig.from_json(json.loads(json.dumps(c.to_json()))) == c
 
 
-def _hf_greedy(case, prompt: np.ndarray) -> list[int]:
-    """HF generate's NEW greedy tokens after ``prompt`` [1, n]."""
-    with torch.no_grad():
-        out = case.hf.generate(torch.from_numpy(prompt.astype(np.int64)), do_sample=False,
-                               max_new_tokens=NEW, min_new_tokens=NEW)
-    return out[0, prompt.shape[1] :].tolist()
-
-
 def test_router_margins_are_not_ties(case):
     """Every token of the long prompt, and of the short prompt with its greedy continuation, has
     a clear group and expert choice in every MoE layer (else (a) and (b) test rounding)."""
     assert hf_min_gap(case.hf, case.long_ids) > MIN_ROUTER_GAP
-    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
-    generated = np.asarray(_hf_greedy(case, prompt), np.int32)[None]
+    prompt = random_ids(SHORT, case.config.vocab_size, seed=2)
+    generated = np.asarray(hf_greedy(case.hf, prompt, NEW), np.int32)[None]
     assert hf_min_gap(case.hf, np.concatenate([prompt, generated], axis=1)) > MIN_ROUTER_GAP
 
 
 def test_logits_match_hf(case):
     """(a) fp32 logits of a 500-token prompt: max |ours - HF| <= 1e-4 * max |HF|."""
-    ref, ours = case.hf_long, case.ours_long
-    scale = np.abs(ref).max()
-    assert scale > 0.5, f"logits of scale {scale} make the comparison meaningless"
-    err = np.abs(ours - ref).max()
-    assert err <= REL_TOL * scale, f"{case.name}: max abs diff {err:.3g} > {REL_TOL} * {scale:.3g}"
+    assert_logits_match(case.ours_long, case.hf_long, case.name)
 
 
 def test_greedy_generation_matches_hf(case):
     """(b) 32 greedy tokens through Engine.generate are exactly HF generate's."""
-    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
-    out = case.engine.generate(prompt[0].tolist(), max_new_tokens=NEW, ignore_eos=True)
-    assert out.token_ids == _hf_greedy(case, prompt)
+    out, ref = greedy_vs_hf(case, random_ids(SHORT, case.config.vocab_size, seed=2), NEW)
+    assert out.token_ids == ref
 
 
 def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     """(c) prefill 480 tokens, decode 20 one at a time: the logits of one 500-token pass."""
     steps = incremental_logits(case.config, case.weights, case.long_ids, PREFILL)
-    full = case.ours_long[0, PREFILL - 1 :]
-    err = np.abs(steps - full).max()
-    assert err <= STEP_REL_TOL * np.abs(full).max(), f"{case.name}: {err:.3g}"
+    assert_steps_match_full(steps, case.ours_long[0, PREFILL - 1 :], case.name)
 
 
 def _without_mscale_all_dim(config):
@@ -194,8 +160,7 @@ def _half_split_rope(config):
 def test_mscale_and_interleave_are_effective(case, change):
     """Dropping mscale^2 from the softmax scale, or rotating half-split pairs instead of
     DeepSeek's interleaved ones, moves the logits far from HF's (so (a) really tests both)."""
-    logits, _ = _forward(case.weights, change(case.config), jnp.asarray(case.long_ids), None, all_logits=True)
-    assert np.abs(np.asarray(logits) - case.hf_long).max() > 100 * REL_TOL * np.abs(case.hf_long).max()
+    assert_change_is_effective(case, change(case.config))
 
 
 @pytest.mark.parametrize("case, scheme, kv", [
@@ -206,8 +171,7 @@ def test_mscale_and_interleave_are_effective(case, change):
 def test_quantized_model_against_hf(case, scheme, kv, quantized_vs_hf):
     """Quantized weights or latent cache against HF fp32: KL over the 500-token prompt and greedy
     agreement over HF's 32 tokens, within conftest.MOE_GATES (bounds justified there)."""
-    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
-    quantized_vs_hf(case.config, case.weights, scheme, kv, case.long_ids, case.hf_long, prompt, _hf_greedy(case, prompt))
+    quantized_vs_hf(case, scheme, kv, SHORT, NEW)
 
 
 # ---- the latent cache ------------------------------------------------------------------------------
@@ -228,7 +192,7 @@ def test_cache_holds_only_the_latent(case):
 @pytest.mark.parametrize("case", ["q_lora"], indirect=True)
 def test_batched_rows_of_different_lengths(case):
     """Two rows with different prompt lengths decode as each would alone (per-row cache writes)."""
-    prompts = [_random_ids(n, 256, seed=s)[0].tolist() for n, s in ((17, 5), (9, 6))]
+    prompts = [random_ids(n, 256, seed=s)[0].tolist() for n, s in ((17, 5), (9, 6))]
     together = case.engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
     alone = [case.engine.generate(p, max_new_tokens=6, ignore_eos=True) for p in prompts]
     assert [o.token_ids for o in together] == [o.token_ids for o in alone]
@@ -248,24 +212,7 @@ def test_verify_compares_every_latent_attention_layer(case):
 
 def _copy_hf(case, dst, config_edit=None, tensors_edit=None):
     """A copy of the case's HF checkpoint with its config and/or tensors edited."""
-    src = case.root / "hf"
-    dst.mkdir()
-    raw = json.loads((src / "config.json").read_text())
-    if config_edit:
-        config_edit(raw)
-    (dst / "config.json").write_text(json.dumps(raw))
-    tensors = load_file(src / "model.safetensors")
-    if tensors_edit:
-        tensors_edit(tensors)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
-
-
-def _assert_same_weights(a, b):
-    ours, theirs = named_leaves(a), named_leaves(b)
-    assert ours.keys() == theirs.keys()
-    for name in ours:
-        np.testing.assert_array_equal(np.asarray(theirs[name]), np.asarray(ours[name]), err_msg=name)
+    return copy_hf_checkpoint(case.root / "hf", dst, config_edit, tensors_edit)
 
 
 @pytest.mark.parametrize("case", ["q_lora"], indirect=True)
@@ -279,9 +226,8 @@ def test_kimi_k2_alias_converts_and_matches(case, tmp_path):
     convert_checkpoint(src, tmp_path / "dz", progress=False)
     config, weights = load_checkpoint(tmp_path / "dz", dtype=jnp.float32)
     assert config.family is Family.KIMI_K2 and config.attention is AttentionKind.MLA
-    _assert_same_weights(case.weights, weights)
-    logits, _ = _forward(weights, config, jnp.asarray(case.long_ids), None, all_logits=True)
-    err = np.abs(np.asarray(logits) - case.hf_long).max()
+    assert_same_weights(case.weights, weights)
+    err = np.abs(all_logits(weights, config, case.long_ids) - case.hf_long).max()
     assert err <= REL_TOL * np.abs(case.hf_long).max()
 
 
@@ -291,7 +237,7 @@ def test_fused_expert_layout_converts_to_the_same_weights(case, tmp_path):
     case.hf.save_pretrained(tmp_path / "hf", save_original_format=False)
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in load_file(tmp_path / "hf" / "model.safetensors"))
     convert_checkpoint(tmp_path / "hf", tmp_path / "dz", progress=False)
-    _assert_same_weights(case.weights, load_checkpoint(tmp_path / "dz", dtype=jnp.float32)[1])
+    assert_same_weights(case.weights, load_checkpoint(tmp_path / "dz", dtype=jnp.float32)[1])
 
 
 @pytest.mark.parametrize("case", ["q_lora"], indirect=True)
@@ -382,7 +328,7 @@ def test_fp8_checkpoint_converts_to_dequantized_weights(case, tmp_path):
     _, fp8_weights = load_checkpoint(tmp_path / "dz", dtype=jnp.float32)
     ref_src = _copy_hf(case, tmp_path / "deq", tensors_edit=lambda t: t.update(reference))
     convert_checkpoint(ref_src, tmp_path / "dz_ref", progress=False)
-    _assert_same_weights(load_checkpoint(tmp_path / "dz_ref", dtype=jnp.float32)[1], fp8_weights)
+    assert_same_weights(load_checkpoint(tmp_path / "dz_ref", dtype=jnp.float32)[1], fp8_weights)
     # Without its scale an FP8 tensor cannot be read: the error names it.
     name = next(iter(reference)).replace(".weight", ".weight_scale_inv")
     dst = tmp_path / "noscale"
@@ -419,7 +365,7 @@ def test_fp8_checkpoint_kept_native_with_fp8_block(case, tmp_path):
     _, dequantized_weights = load_checkpoint(tmp_path / "deq")
     as_float = jax.tree.map(lambda x: dequantized(x, jnp.float32), native,
                             is_leaf=lambda x: isinstance(x, QuantizedArray))
-    _assert_same_weights(dequantized_weights, as_float)
+    assert_same_weights(dequantized_weights, as_float)
 
 
 @pytest.mark.parametrize("case", ["q_lora"], indirect=True)

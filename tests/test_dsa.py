@@ -16,9 +16,9 @@ can sit near ties too, so the routing gaps are asserted as in test_deepseek.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +27,6 @@ import pytest
 import torch
 import transformers
 
-from dayzero.convert import convert_checkpoint, load_checkpoint
-from dayzero.engine import Engine
 from dayzero.model import dsa
 from dayzero.model.config import ConfigError, DSAConfig, Family, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
@@ -36,16 +34,16 @@ from dayzero.model.mla import LORA_NORM_EPS
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import rope_cos_sin
 from dayzero.model.transformer import LatentCache, append_to_cache, attention_masks, forward, init_cache
+from tests.hf_helpers import (
+    MIN_ROUTER_GAP, assert_change_is_effective, assert_logits_match, assert_steps_match_full, convert_case, forward_jit,
+    greedy_vs_hf, hf_greedy, hf_model, random_ids,
+)
 
 LONG, PREFILL, SHORT, NEW = 400, 360, 100, 32
 TOPK, INDEX_HEADS, INDEX_DIM = 64, 16, 32
-REL_TOL = 1e-4  # as test_parity.py: 1e-4 * max|HF logits|
-STEP_REL_TOL = 1e-5
-MIN_ROUTER_GAP = 1e-4  # as test_deepseek.py
 EXPERTS, TOP_K = 8, 2
 SEED = 4  # routing gaps >= 1.2e-4 on both prompts (seeds 0-3 and 5 have one under 1e-4)
 
-_forward = jax.jit(forward, static_argnums=(1,), static_argnames=("all_logits",))
 _append = jax.jit(append_to_cache)
 
 HF_CONFIG = dict(
@@ -65,9 +63,7 @@ HF_CONFIG = dict(
 
 def build_hf(seed: int):
     """A tiny random HF DeepseekV32 model: fp32, eager, random norm weights/biases and selection biases."""
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        transformers.DeepseekV32Config(**HF_CONFIG), attn_implementation="eager", dtype=torch.float32).eval()
+    model = hf_model(transformers.DeepseekV32Config(**HF_CONFIG), seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -79,7 +75,7 @@ def build_hf(seed: int):
 
 
 def _random_ids(n: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, HF_CONFIG["vocab_size"], size=(1, n)).astype(np.int32)
+    return random_ids(n, HF_CONFIG["vocab_size"], seed)
 
 
 def _capture_attention_inputs(model, ids: np.ndarray):
@@ -111,18 +107,12 @@ def min_router_gap(model, ids: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def case(tmp_path_factory):
+def case(hf_factory, tmp_path_factory):
     """The converted tiny DeepSeek-V3.2 model with HF's logits and attention inputs of the long prompt."""
     hf = build_hf(SEED)
-    root = tmp_path_factory.mktemp("dsa")
-    hf.save_pretrained(root / "hf")
-    convert_checkpoint(root / "hf", root / "dz", progress=False)
-    config, weights = load_checkpoint(root / "dz", dtype=jnp.float32)
-    ids = _random_ids(LONG, seed=1)
-    hf_long, attn_inputs = _capture_attention_inputs(hf, ids)
-    logits, _ = _forward(weights, config, jnp.asarray(ids), None, all_logits=True)
-    return SimpleNamespace(hf=hf, root=root, config=config, weights=weights, long_ids=ids, hf_long=hf_long,
-                           attn_inputs=attn_inputs, ours_long=np.asarray(logits), engine=Engine(config, weights))
+    c = convert_case(hf_factory, tmp_path_factory.mktemp("dsa"), "dsa", hf, LONG)
+    c.hf_long, c.attn_inputs = _capture_attention_inputs(hf, c.long_ids)
+    return c
 
 
 def test_converted_config(case):
@@ -137,7 +127,7 @@ def test_router_margins_are_not_ties(case):
     """Clear expert choices on the long prompt and on the short prompt with its greedy tokens."""
     assert min_router_gap(case.hf, case.long_ids) > MIN_ROUTER_GAP
     prompt = _random_ids(SHORT, seed=2)
-    generated = np.asarray(_hf_greedy(case, prompt), np.int32)[None]
+    generated = np.asarray(hf_greedy(case.hf, prompt, NEW), np.int32)[None]
     assert min_router_gap(case.hf, np.concatenate([prompt, generated], axis=1)) > MIN_ROUTER_GAP
 
 
@@ -202,36 +192,20 @@ def test_indexer_topk_matches_hf(case):
 
 def test_logits_match_hf(case):
     """(a) fp32 logits of a 400-token prompt (index_topk 64): max |ours - HF| <= 1e-4 * max |HF|."""
-    ref, ours = case.hf_long, case.ours_long
-    scale = np.abs(ref).max()
-    assert scale > 0.5, f"logits of scale {scale} make the comparison meaningless"
-    err = np.abs(ours - ref).max()
-    assert err <= REL_TOL * scale, f"max abs diff {err:.3g} > {REL_TOL} * {scale:.3g}"
+    assert_logits_match(case.ours_long, case.hf_long, case.name)
 
 
 def test_sparsity_is_effective(case):
     """Attending to every token (index_topk >= the prompt) moves the logits far from HF's, so (a)
     really tests the selection."""
-    import dataclasses
-
     dense = dataclasses.replace(case.config, dsa=dataclasses.replace(case.config.dsa, topk=LONG))
-    logits, _ = _forward(case.weights, dense, jnp.asarray(case.long_ids), None, all_logits=True)
-    assert np.abs(np.asarray(logits) - case.hf_long).max() > 100 * REL_TOL * np.abs(case.hf_long).max()
-
-
-def _hf_greedy(case, prompt: np.ndarray) -> list[int]:
-    """HF generate's NEW greedy tokens after ``prompt`` [1, n]."""
-    with torch.no_grad():
-        out = case.hf.generate(torch.from_numpy(prompt.astype(np.int64)), do_sample=False,
-                               max_new_tokens=NEW, min_new_tokens=NEW)
-    return out[0, prompt.shape[1] :].tolist()
+    assert_change_is_effective(case, dense)
 
 
 def test_greedy_generation_matches_hf(case):
     """(b) 32 greedy tokens after a 100-token prompt (past index_topk, so decode gathers) are HF's."""
-    prompt = _random_ids(SHORT, seed=2)
-    out = case.engine.generate(prompt[0].tolist(), max_new_tokens=NEW, ignore_eos=True)
-    assert out.token_ids == _hf_greedy(case, prompt)
+    out, ref = greedy_vs_hf(case, _random_ids(SHORT, seed=2), NEW)
+    assert out.token_ids == ref
 
 
 def test_batched_rows_of_different_lengths(case):
@@ -248,13 +222,13 @@ def _prefill_and_decode(case, prefill: int, poison: bool = False) -> np.ndarray:
     each step reads a copy of the cache whose latent rows its indexer does not pick are NaN."""
     config, weights, ids = case.config, case.weights, case.long_ids
     cache = init_cache(config, 1, LONG)
-    logits, new = _forward(weights, config, jnp.asarray(ids[:, :prefill]), cache)
+    logits, new = forward_jit(weights, config, jnp.asarray(ids[:, :prefill]), cache)
     cache = _append(cache, new)
     steps = [np.asarray(logits[0])]
     for t in range(prefill, LONG):
         token = jnp.asarray(ids[:, t : t + 1])
         read = _poison_unpicked(case, cache, token, t) if poison else cache
-        logits, new = _forward(weights, config, token, read)
+        logits, new = forward_jit(weights, config, token, read)
         cache = _append(cache, new)
         steps.append(np.asarray(logits[0]))
     return np.stack(steps)
@@ -285,9 +259,7 @@ def _poison_unpicked(case, cache: LatentCache, token: jax.Array, t: int) -> Late
 
 def test_prefill_then_decode_matches_full_forward(case):
     """(c) prefill 360 tokens, decode 40 one at a time: the logits of one 400-token pass."""
-    full = case.ours_long[0, PREFILL - 1 :]
-    err = np.abs(_prefill_and_decode(case, PREFILL) - full).max()
-    assert err <= STEP_REL_TOL * np.abs(full).max(), f"{err:.3g}"
+    assert_steps_match_full(_prefill_and_decode(case, PREFILL), case.ours_long[0, PREFILL - 1 :], case.name)
 
 
 def test_decode_reads_only_the_picked_rows(case):
@@ -297,7 +269,7 @@ def test_decode_reads_only_the_picked_rows(case):
     full = case.ours_long[0, prefill - 1 :]
     poisoned = _prefill_and_decode(case, prefill, poison=True)
     assert np.isfinite(poisoned).all()
-    assert np.abs(poisoned - full).max() <= STEP_REL_TOL * np.abs(full).max()
+    assert_steps_match_full(poisoned, full, "poisoned")
 
 
 def test_cache_holds_latent_and_index_keys(case):

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -24,25 +23,20 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dayzero.convert import ConvertError, convert_checkpoint, load_checkpoint
-from dayzero.engine import Engine
 from dayzero.model.config import ConfigError, Family, ModelConfig, MoEConfig
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.moe import GroupedMatmul, active_experts, grouped_swiglu, moe, route, sort_by_expert
-from dayzero.model.transformer import append_to_cache, forward
-from dayzero.model.weights import MoEWeights, named_leaves
+from dayzero.model.weights import MoEWeights
+from tests.hf_helpers import (
+    MIN_ROUTER_GAP, assert_change_is_effective, assert_logits_match, assert_same_weights, assert_steps_match_full,
+    convert_case, copy_hf_checkpoint, greedy_vs_hf, hf_model, random_ids,
+)
 
 LONG, SHORT, NEW, PREFILL = 500, 20, 32, 480
-REL_TOL = 1e-4  # as test_parity.py: 1e-4 * max|HF logits|
-STEP_REL_TOL = 1e-5
-# Smallest allowed gap between the C-th and (C+1)-th router logit (logits are O(1)). dayzero's
-# hidden states differ from HF's by ~1e-6 relative, so a gap 100x larger cannot flip a choice.
-MIN_ROUTER_GAP = 1e-4
-
-_forward = jax.jit(forward, static_argnums=(1,), static_argnames=("all_logits",))
-_append = jax.jit(append_to_cache)
+# Tolerances and MIN_ROUTER_GAP (the C-th vs (C+1)-th router logit): tests.hf_helpers.
 
 COMMON = dict(
     hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=1024,
@@ -76,18 +70,12 @@ EXPECTED = {  # (MoE layer flags, renormalize, expert width) the converter must 
 def build_hf_moe(name: str, seed: int):
     """A tiny random HF MoE model in fp32 with eager attention and non-trivial norm weights."""
     config_cls, overrides = CASES[name]
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config_cls(**{**COMMON, **overrides}), attn_implementation="eager", dtype=torch.float32).eval()
+    model = hf_model(config_cls(**{**COMMON, **overrides}), seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.normal_(1.0, 0.1)
     return model
-
-
-def _random_ids(n: int, vocab: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, size=(1, n)).astype(np.int32)
 
 
 def _router_gap(logits: np.ndarray, top_k: int) -> float:
@@ -96,27 +84,15 @@ def _router_gap(logits: np.ndarray, top_k: int) -> float:
     return float((s[..., -top_k] - s[..., -top_k - 1]).min())
 
 
-def _hf_forward(model, ids: np.ndarray):
-    with torch.no_grad():
-        return model(torch.from_numpy(ids.astype(np.int64)), output_router_logits=True)
-
-
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory):
+def case(request, hf_factory, tmp_path_factory):
     """One converted tiny MoE model with HF's logits (and router logits) of the long prompt."""
     hf = build_hf_moe(request.param, SEEDS[request.param])
-    root = tmp_path_factory.mktemp(request.param)
-    hf.save_pretrained(root / "hf")
-    convert_checkpoint(root / "hf", root / "dz", progress=False)
-    config, weights = load_checkpoint(root / "dz", dtype=jnp.float32)
-    ids = _random_ids(LONG, config.vocab_size, seed=1)
-    out = _hf_forward(hf, ids)
-    c = SimpleNamespace(name=request.param, hf=hf, root=root, config=config, weights=weights, long_ids=ids)
+    c = convert_case(hf_factory, tmp_path_factory.mktemp(request.param), request.param, hf, LONG)
+    with torch.no_grad():
+        out = hf(torch.from_numpy(c.long_ids.astype(np.int64)), output_router_logits=True)
     c.hf_long = out.logits.float().numpy()
     c.hf_router_logits = [r.float().numpy() for r in out.router_logits]
-    logits, _ = _forward(weights, config, jnp.asarray(ids), None, all_logits=True)
-    c.ours_long = np.asarray(logits)
-    c.engine = Engine(config, weights)
     return c
 
 
@@ -141,30 +117,20 @@ def test_router_margins_are_not_ties(case):
 
 def test_logits_match_hf(case):
     """(a) fp32 logits of a 500-token prompt: max |ours - HF| <= 1e-4 * max |HF|."""
-    ref, ours = case.hf_long, case.ours_long
-    scale = np.abs(ref).max()
-    assert scale > 0.5, f"logits of scale {scale} make the comparison meaningless"
-    err = np.abs(ours - ref).max()
-    assert err <= REL_TOL * scale, f"{case.name}: max abs diff {err:.3g} > {REL_TOL} * {scale:.3g}"
+    assert_logits_match(case.ours_long, case.hf_long, case.name)
 
 
 @pytest.mark.parametrize("case", ["qwen3_moe", "qwen3_moe_step"], indirect=True)
 def test_renormalisation_is_effective(case):
     """Flipping norm_topk_prob moves the logits far from HF's (so (a) really tests it)."""
     moe_cfg = dataclasses.replace(case.config.moe, renormalize=not case.config.moe.renormalize)
-    flipped = dataclasses.replace(case.config, moe=moe_cfg)
-    logits, _ = _forward(case.weights, flipped, jnp.asarray(case.long_ids), None, all_logits=True)
-    scale = np.abs(case.hf_long).max()
-    assert np.abs(np.asarray(logits) - case.hf_long).max() > 100 * REL_TOL * scale
+    assert_change_is_effective(case, dataclasses.replace(case.config, moe=moe_cfg))
 
 
 def test_greedy_generation_matches_hf(case):
     """(b) 32 greedy tokens through Engine.generate are exactly HF generate's."""
-    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
-    out = case.engine.generate(prompt[0].tolist(), max_new_tokens=NEW, ignore_eos=True)
-    with torch.no_grad():
-        ref = case.hf.generate(torch.from_numpy(prompt.astype(np.int64)), do_sample=False,
-                               max_new_tokens=NEW, min_new_tokens=NEW)[0, SHORT:].tolist()
+    prompt = random_ids(SHORT, case.config.vocab_size, seed=2)
+    out, ref = greedy_vs_hf(case, prompt, NEW)
     assert len(out.token_ids) == NEW
     assert out.token_ids == ref
 
@@ -172,9 +138,7 @@ def test_greedy_generation_matches_hf(case):
 def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     """(c) prefill 480 tokens, decode 20 one at a time: the logits of one 500-token pass."""
     steps = incremental_logits(case.config, case.weights, case.long_ids, PREFILL)
-    full = case.ours_long[0, PREFILL - 1 :]
-    err = np.abs(steps - full).max()
-    assert err <= STEP_REL_TOL * np.abs(full).max(), f"{case.name}: {err:.3g}"
+    assert_steps_match_full(steps, case.ours_long[0, PREFILL - 1 :], case.name)
 
 
 SLOW = pytest.mark.slow
@@ -191,11 +155,7 @@ SLOW = pytest.mark.slow
 def test_quantized_model_against_hf(case, scheme, kv, quantized_vs_hf):
     """Quantized weights or KV cache against HF fp32: KL over the 500-token prompt and greedy
     agreement over HF's 32 tokens, within conftest.MOE_GATES (bounds justified there)."""
-    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
-    with torch.no_grad():
-        hf_tokens = case.hf.generate(torch.from_numpy(prompt.astype(np.int64)), do_sample=False,
-                                     max_new_tokens=NEW, min_new_tokens=NEW)[0, SHORT:].tolist()
-    quantized_vs_hf(case.config, case.weights, scheme, kv, case.long_ids, case.hf_long, prompt, hf_tokens)
+    quantized_vs_hf(case, scheme, kv, SHORT, NEW)
 
 
 # ---- module-level parity: router and MoE block ----------------------------------------------------
@@ -386,22 +346,7 @@ def test_fused_expert_layout_converts_to_the_same_weights(case, tmp_path):
     assert any(n.endswith("mlp.experts.gate_up_proj") for n in names)
     convert_checkpoint(tmp_path / "hf", tmp_path / "dz", progress=False)
     _, fused = load_checkpoint(tmp_path / "dz", dtype=jnp.float32)
-    ours, theirs = named_leaves(case.weights), named_leaves(fused)
-    assert ours.keys() == theirs.keys()
-    for name in ours:
-        np.testing.assert_array_equal(np.asarray(theirs[name]), np.asarray(ours[name]), err_msg=name)
-
-
-def _edited_copy(case, tmp_path, edit) -> str:
-    """A copy of the case's per-expert checkpoint with ``edit(state_dict)`` applied; returns its dir."""
-    src = case.root / "hf"
-    tensors = load_file(src / "model.safetensors")
-    edit(tensors)
-    dst = tmp_path / "edited"
-    dst.mkdir()
-    (dst / "config.json").write_text((src / "config.json").read_text())
-    save_file(tensors, dst / "model.safetensors")
-    return dst
+    assert_same_weights(case.weights, fused)
 
 
 def _expert_tensor(case, e: int = 3) -> str:
@@ -426,7 +371,7 @@ def test_bad_expert_tensor_is_named(case, tmp_path, problem):
         else:
             t[extra] = t[name].clone()
 
-    src = _edited_copy(case, tmp_path, edit)
+    src = copy_hf_checkpoint(case.root / "hf", tmp_path / "edited", tensors_edit=edit)
     with pytest.raises(ConvertError) as err:
         convert_checkpoint(src, tmp_path / "dz", progress=False)
     assert (extra if problem == "extra" else name) in str(err.value)

@@ -16,33 +16,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
-from dayzero.convert import load_checkpoint
 from dayzero.engine import Engine
-from dayzero.model.transformer import append_to_cache, forward, init_cache
+from dayzero.model.transformer import init_cache
+from tests.hf_helpers import (
+    REL_TOL, STEP_REL_TOL, assert_change_is_effective, assert_logits_match, assert_steps_match_full, convert_case,
+    forward_jit, greedy_vs_hf, hf_logits, random_ids,
+)
 
 LONG = 500  # long enough that RoPE and sliding-window bugs show
 SHORT = 20  # prompt of the greedy-generation comparison
 NEW = 32  # tokens generated in the greedy comparison
 PREFILL = 480  # (c): prefill this many tokens of the long prompt, decode the rest one at a time
-
-# Logits tolerance, relative to the largest |HF logit|: 1e-4 * max|ref|. With fp32 everywhere the
-# lead measured ~1e-6 relative (3e-6 on logits of ~3.5); a wrong RoPE, mask, norm or bias moves
-# the logits by O(1e-1) relative. The bound leaves room for summation-order differences only.
-REL_TOL = 1e-4
-# (c) compares dayzero with itself: the same math in a different grouping (cached keys beside new
-# ones), so the agreement should be at the level of fp32 rounding.
-STEP_REL_TOL = 1e-5
-
-_forward = jax.jit(forward, static_argnums=(1,), static_argnames=("all_logits",))
-_append = jax.jit(append_to_cache)
+# Tolerances: tests.hf_helpers.REL_TOL (HF logits, 1e-4 * max|ref|) and STEP_REL_TOL ((c), 1e-5).
 
 CASES = {
     # GQA (4 query heads over 2 kv heads), separate lm_head.
@@ -82,20 +73,11 @@ CASES = {
 }
 
 
-def _random_ids(n: int, vocab: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, vocab, size=(1, n)).astype(np.int32)
-
-
-def _hf_logits(model, ids: np.ndarray) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
-
-
-def _ours_full(case, ids: np.ndarray, empty_cache: bool = False) -> np.ndarray:
-    """All-position logits of one pass from scratch (``cache=None``, as the engine's prefill)
-    or, with ``empty_cache``, as the continuation of an empty cache."""
-    cache = init_cache(case.config, ids.shape[0], ids.shape[1]) if empty_cache else None
-    logits, _ = _forward(case.weights, case.config, jnp.asarray(ids), cache, all_logits=True)
+def _ours_from_empty_cache(case, ids: np.ndarray) -> np.ndarray:
+    """All-position logits of one pass as the continuation of an empty cache (``all_logits``
+    starts from ``cache=None``, as the engine's prefill)."""
+    cache = init_cache(case.config, ids.shape[0], ids.shape[1])
+    logits, _ = forward_jit(case.weights, case.config, jnp.asarray(ids), cache, all_logits=True)
     return np.asarray(logits)
 
 
@@ -109,13 +91,8 @@ def case(request, hf_factory, tmp_path_factory):
     """One converted tiny model, with HF's logits of the long prompt computed once."""
     family, overrides = CASES[request.param]
     hf = hf_factory.build(family, seed=0, **overrides)
-    _, dz_dir = hf_factory.save_and_convert(hf, tmp_path_factory.mktemp(request.param))
-    config, weights = load_checkpoint(dz_dir, dtype=jnp.float32)
-    long_ids = _random_ids(LONG, config.vocab_size, seed=1)
-    c = SimpleNamespace(name=request.param, hf=hf, dir=dz_dir, config=config, weights=weights, long_ids=long_ids)
-    c.engine = Engine(config, weights)  # shared, so tests reuse its compiled steps
-    c.hf_long = _hf_logits(hf, long_ids)
-    c.ours_long = _ours_full(c, long_ids)
+    c = convert_case(hf_factory, tmp_path_factory.mktemp(request.param), request.param, hf, LONG)
+    c.hf_long = hf_logits(hf, c.long_ids)
     return c
 
 
@@ -139,18 +116,14 @@ def test_converted_config_matches_case(case):
 
 def test_logits_match_hf(case):
     """(a) fp32 logits of a 500-token prompt: max |ours - HF| <= 1e-4 * max |HF|."""
-    ref, ours = case.hf_long, case.ours_long
-    assert ours.shape == ref.shape
-    scale = np.abs(ref).max()
-    assert scale > 0.5, f"logits of scale {scale} make the comparison meaningless"
-    err = np.abs(ours - ref).max()
-    assert err <= REL_TOL * scale, f"{case.name}: max abs diff {err:.3g} > {REL_TOL} * {scale:.3g}"
+    assert case.ours_long.shape == case.hf_long.shape
+    assert_logits_match(case.ours_long, case.hf_long, case.name)
 
 
 @pytest.mark.parametrize("case", ["llama_gqa", "mistral_swa"], indirect=True)
 def test_empty_cache_equals_no_cache(case):
     """Continuing an empty cache is the same computation as starting without one."""
-    ours = _ours_full(case, case.long_ids, empty_cache=True)
+    ours = _ours_from_empty_cache(case, case.long_ids)
     err = np.abs(ours - case.ours_long).max()
     assert err <= STEP_REL_TOL * np.abs(case.ours_long).max(), err
 
@@ -158,25 +131,19 @@ def test_empty_cache_equals_no_cache(case):
 @pytest.mark.parametrize("case", ["mistral_swa", "qwen2_swa_mixed"], indirect=True)
 def test_sliding_window_is_effective(case):
     """The window changes the answer: without it our logits are far from HF's (so (a) tests it)."""
-    full = dataclasses.replace(case.config, sliding_windows=(None,) * case.config.num_layers)
-    logits, _ = _forward(case.weights, full, jnp.asarray(case.long_ids), None, all_logits=True)
-    scale = np.abs(case.hf_long).max()
-    assert np.abs(np.asarray(logits) - case.hf_long).max() > 100 * REL_TOL * scale
+    no_window = dataclasses.replace(case.config, sliding_windows=(None,) * case.config.num_layers)
+    assert_change_is_effective(case, no_window)
 
 
 def test_greedy_generation_matches_hf(case):
     """(b) 32 greedy tokens through Engine.generate are exactly HF generate's."""
-    prompt = _random_ids(SHORT, case.config.vocab_size, seed=2)
-    out = case.engine.generate(prompt[0].tolist(), max_new_tokens=NEW, ignore_eos=True)
-    with torch.no_grad():
-        ref = case.hf.generate(
-            torch.from_numpy(prompt.astype(np.int64)), do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW,
-        )[0, SHORT:].tolist()
+    prompt = random_ids(SHORT, case.config.vocab_size, seed=2)
+    out, ref = greedy_vs_hf(case, prompt, NEW)
     assert out.finish_reason == "length"
     assert len(out.token_ids) == NEW
     if out.token_ids != ref:
         i = next(k for k, (a, b) in enumerate(zip(out.token_ids, ref)) if a != b)
-        logits = _hf_logits(case.hf, np.array([prompt[0].tolist() + ref[:i]], np.int32))[0, -1]
+        logits = hf_logits(case.hf, np.array([prompt[0].tolist() + ref[:i]], np.int32))[0, -1]
         pytest.fail(
             f"{case.name}: first divergence at step {i}: ours {out.token_ids[i]}, HF {ref[i]} "
             f"(HF top-2 margin there {_greedy_margin(logits):.3g})"
@@ -194,9 +161,7 @@ def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     ``test_dynamic_ntk_incremental_matches_hf_cache`` checks what is true instead.
     """
     steps = incremental_logits(case.config, case.weights, case.long_ids, PREFILL)
-    full = case.ours_long[0, PREFILL - 1 :]
-    err = np.abs(steps - full).max()
-    assert err <= STEP_REL_TOL * np.abs(full).max(), f"{case.name}: {err:.3g}"
+    assert_steps_match_full(steps, case.ours_long[0, PREFILL - 1 :], case.name)
 
 
 def _hf_incremental(model, ids: np.ndarray, prefill: int) -> np.ndarray:
@@ -231,7 +196,7 @@ def test_dynamic_ntk_incremental_matches_hf_cache(case, prefill, incremental_log
     scale = np.abs(ref).max()
     err = np.abs(ours - ref).max()
     assert err <= REL_TOL * scale, f"prefill {prefill}: {err:.3g} vs scale {scale:.3g}"
-    full = _hf_logits(case.hf, ids)[0, prefill - 1 :]
+    full = hf_logits(case.hf, ids)[0, prefill - 1 :]
     assert np.abs(full - ref)[-1].max() > 100 * REL_TOL * scale
 
 
@@ -243,7 +208,7 @@ def test_batch_of_ragged_prompts_matches_each_alone(case):
     mistral case's 64-token window the long row's window slides during prefill and decode while
     the short rows never reach it.
     """
-    prompts = [_random_ids(n, case.config.vocab_size, seed=10 + n)[0].tolist() for n in (20, 7, 90)]
+    prompts = [random_ids(n, case.config.vocab_size, seed=10 + n)[0].tolist() for n in (20, 7, 90)]
     batch = case.engine.generate(prompts, max_new_tokens=24, ignore_eos=True)
     assert isinstance(batch, list) and len(batch) == len(prompts)
     for prompt, got in zip(prompts, batch):
