@@ -128,15 +128,27 @@ def ragged_defaults(kv_lengths: jax.Array, q_offsets: jax.Array | None, T: int,
     return kv_lengths, (kv_lengths - T if q_offsets is None else q_offsets)
 
 
-def gather_pages(pages: jax.Array, block_tables: jax.Array, axis: int = 0) -> jax.Array:
-    """Each sequence's pages in order: the [P, page] axes of ``pages`` starting at ``axis``
-    become [B, pages_per_seq*page] (only the pages in the tables are read, the pool is not
-    relaid out)."""
-    # Out-of-range entries (unused table slots) read a clamped page, which the masks hide;
-    # "clip" rather than the default "fill" saves a copy of the gathered rows.
-    rows = jnp.take(pages, block_tables, axis=axis, mode="clip")
-    shape = rows.shape
-    return rows.reshape(*shape[:axis], shape[axis], shape[axis + 1] * shape[axis + 2], *shape[axis + 3:])
+def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
+    """Each sequence's pages, in table order: [K,P,page,H] -> [B,K,W*page,H], or [P,page,C] ->
+    [B,W*page,C] (only the pages in the tables are read; the pool is not relaid out).
+
+    One gather of whole pages (rows of page*H values), already in the output's order, so the
+    result needs no transpose. Entries outside [0, P) read a clamped page (masks hide it).
+    """
+    B, W = block_tables.shape
+    P = pages.shape[-3]
+    # Clamping the small table makes every row index valid, so the gather can promise it and
+    # unsigned indices skip the wrap-around of negative ones, which XLA:CPU would otherwise
+    # compute for every gathered element.
+    tables = jnp.clip(block_tables, 0, P - 1).astype(jnp.uint32)
+    if pages.ndim == 3:
+        _, page, C = pages.shape
+        rows = pages.reshape(P, page * C).at[tables.reshape(-1)].get(mode="promise_in_bounds")
+        return rows.reshape(B, W * page, C)
+    K, _, page, H = pages.shape
+    index = jnp.arange(K, dtype=jnp.uint32)[None, :, None] * P + tables[:, None, :]
+    rows = pages.reshape(K * P, page * H).at[index.reshape(-1)].get(mode="promise_in_bounds")
+    return rows.reshape(B, K, W * page, H)
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lengths, *, q_offsets=None,
@@ -146,7 +158,7 @@ def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lengths, *, 
     :func:`~dayzero.kernels.flash_attention.flash_attention_reference` (causal) over them."""
     sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets,
                                         sm_scale, window)
-    k, v = (jnp.moveaxis(gather_pages(x, block_tables, axis=1), 0, 2) for x in (k_pages, v_pages))
+    k, v = (jnp.swapaxes(gather_pages(x, block_tables), 1, 2) for x in (k_pages, v_pages))  # [B,S,K,H]
     kv_lengths, q_offsets = ragged_defaults(kv_lengths, q_offsets, q.shape[1], k.shape[1])
     return flash_attention_reference(q, k, v, causal=True, q_offsets=q_offsets, kv_lengths=kv_lengths,
                                      sm_scale=sm_scale, window=window)

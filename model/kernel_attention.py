@@ -22,9 +22,8 @@ right. The step running this is jitted with the pool donated (``engine.paged_ste
 write is an in-place scatter of B*T rows per layer, and it replaces the reference path's separate
 page write.
 
-This module also holds the page-layout primitives (``page_slots``, the row writes and the page
-gather) that ``paged_cache`` shares; it imports nothing from the model, so that the attention
-blocks can import it.
+This module also holds the page writes (``page_slots`` and the row writes) that ``paged_cache``
+shares; it imports nothing from the model, so that the attention blocks can import it.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from flax import struct
 
 from dayzero.kernels import (KernelMode, flash_attention, paged_attention, paged_latent_attention,
                              sparse_attention)
+from dayzero.kernels.paged_attention import gather_pages
 
 # ``select(key_cache) -> (indices [B,T,k], visible [B,T,k])``: the indexer's picks among the
 # cached keys [B,S,J] (None: nothing cached) then the new ones (``dsa.select`` with the rest bound).
@@ -67,27 +67,6 @@ def write_head_rows(pool: jax.Array, rows: jax.Array, pages: jax.Array, slots: j
 def write_rows(pool: jax.Array, rows: jax.Array, pages: jax.Array, slots: jax.Array) -> jax.Array:
     """Rows [B,T,C] written into a latent (or indexer key) pool [P,page,C] at (pages, slots) [B,T]."""
     return pool.at[pages, slots].set(rows.astype(pool.dtype), mode="drop")
-
-
-def gather_pages(pages: jax.Array, block_tables: jax.Array) -> jax.Array:
-    """Each row's pages, in table order: [K,P,page,H] -> [B,K,W*page,H], or [P,page,C] -> [B,W*page,C].
-
-    One gather of whole pages (rows of page*H values), already in the output's order, so the
-    result needs no transpose. Table entries are valid page ids by construction.
-    """
-    B, W = block_tables.shape
-    if pages.ndim == 3:
-        P, page, C = pages.shape
-        return _gather_rows(pages.reshape(P, page * C), block_tables.reshape(-1)).reshape(B, W * page, C)
-    K, P, page, H = pages.shape
-    rows = jnp.arange(K, dtype=block_tables.dtype)[None, :, None] * P + block_tables[:, None, :]
-    return _gather_rows(pages.reshape(K * P, page * H), rows.reshape(-1)).reshape(B, K, W * page, H)
-
-
-def _gather_rows(table: jax.Array, rows: jax.Array) -> jax.Array:
-    """``table[rows]`` for in-bounds ``rows``: a plain row gather (unsigned indices need no
-    wrap-around of negative ones, which XLA:CPU would otherwise compute for every element)."""
-    return table.at[rows.astype(jnp.uint32)].get(mode="promise_in_bounds")
 
 
 def _picks(indices: jax.Array, visible: jax.Array) -> jax.Array:

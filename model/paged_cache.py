@@ -30,7 +30,8 @@ from flax import struct
 
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
-from dayzero.model.kernel_attention import PagedKernelCache, gather_pages, page_slots, write_head_rows, write_rows
+from dayzero.kernels.paged_attention import gather_pages
+from dayzero.model.kernel_attention import PagedKernelCache, page_slots, write_head_rows, write_rows
 from dayzero.model.transformer import NewKV, NewLatent
 
 __all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "page_slots", "append_to_pages",
