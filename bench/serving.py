@@ -2,7 +2,7 @@
 width, and KV memory for a long context against the contiguous cache.
 
     python bench/serving.py [--model DIR] [--requests 32] [--prompt-len 64] [--new-tokens 32]
-        [--long 3000] [--widths 8,64,512] [--json]
+        [--long 3000] [--widths 8,64,512] [--kernels auto] [--json]
 
 1. Throughput: the same ``--requests`` prompts (``--new-tokens`` each, EOS ignored, so every
    run produces the same tokens) served concurrently by ``ServingEngine`` (one slot each),
@@ -15,6 +15,10 @@ width, and KV memory for a long context against the contiguous cache.
    allocated (the contiguous cache is a power-of-two bucket of the length; the pool is sized to
    the request's pages here) and the peak RSS of the generation; and, from shapes alone, the KV
    bytes of a batch mixing that long prompt with ``--requests - 1`` short ones.
+
+With ``--kernels`` resolving to a Pallas mode (``auto`` on a GPU) the serving engine runs on the
+kernels, and section 1 is followed by the same concurrent workload served on the kernels and on
+the reference path side by side (tokens/s of each, and how many requests gave identical tokens).
 
 Default model: the embedded SmolLM2-135M (set DAYZERO_CACHE to reuse a converted copy).
 """
@@ -37,6 +41,7 @@ from dayzero.engine.generate import Engine, cache_length
 from dayzero.engine.measure import bench_prompt
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
+from dayzero.kernels import KernelMode, resolve_mode
 from dayzero.model.transformer import append_to_cache, forward, init_cache
 
 PAGE = 16
@@ -47,14 +52,17 @@ def _pages(tokens: int) -> int:
     return -(-tokens // PAGE)
 
 
-def throughput(engine: Engine, requests: int, prompt_len: int, new_tokens: int) -> dict:
+def _throughput_config(requests: int, prompt_len: int, new_tokens: int, kernels: str) -> ServingConfig:
+    return ServingConfig(slots=requests, page_size=PAGE, max_context=prompt_len + new_tokens,
+                         num_pages=requests * _pages(prompt_len + new_tokens),
+                         max_chunk=min(512, 1 << (prompt_len - 1).bit_length()), kernels=kernels)
+
+
+def throughput(engine: Engine, requests: int, prompt_len: int, new_tokens: int, kernels: str) -> dict:
     """Aggregate tokens/s: concurrent serving, Engine.generate one by one, serving one by one."""
     prompts = bench_prompt(engine.config.vocab_size, prompt_len, requests, engine.eos_ids)
     total = requests * new_tokens
-    config = ServingConfig(slots=requests, page_size=PAGE, max_context=prompt_len + new_tokens,
-                           num_pages=requests * _pages(prompt_len + new_tokens),
-                           max_chunk=min(512, 1 << (prompt_len - 1).bit_length()))
-    server = ServingEngine(engine, config)
+    server = ServingEngine(engine, _throughput_config(requests, prompt_len, new_tokens, kernels))
     start = time.perf_counter()
     shapes = server.warmup()
     out = {"warmup_s": time.perf_counter() - start, "warmup_shapes": shapes}
@@ -78,14 +86,30 @@ def throughput(engine: Engine, requests: int, prompt_len: int, new_tokens: int) 
     for key in ("concurrent", "generate_one_by_one", "serving_one_by_one"):
         out[f"{key}_tok_s"] = total / out[f"{key}_s"]
     out["speedup_vs_generate"] = out["concurrent_tok_s"] / out["generate_one_by_one_tok_s"]
+    out["kernels"] = server.config.kernels.value
     return out
 
 
-def width_sweep(engine: Engine, widths: list[int], slots: int = 8, steps: int = 5) -> dict:
+def kernels_vs_reference(engine: Engine, requests: int, prompt_len: int, new_tokens: int, kernels: str) -> dict:
+    """The same concurrent workload served on the kernels and on the reference path, in one
+    run: tokens/s of each (compiled first) and how many requests gave identical tokens."""
+    prompts = bench_prompt(engine.config.vocab_size, prompt_len, requests, engine.eos_ids)
+    out, tokens = {}, {}
+    for mode in (kernels, "reference"):
+        server = ServingEngine(engine, _throughput_config(requests, prompt_len, new_tokens, mode))
+        server.warmup()
+        start = time.perf_counter()
+        tokens[mode] = [c.token_ids for c in server.run(prompts, max_new_tokens=new_tokens, ignore_eos=True)]
+        out[f"{server.config.kernels.value}_tok_s"] = requests * new_tokens / (time.perf_counter() - start)
+    out["same_tokens"] = sum(a == b for a, b in zip(tokens[kernels], tokens["reference"]))
+    return out
+
+
+def width_sweep(engine: Engine, widths: list[int], kernels: str, slots: int = 8, steps: int = 5) -> dict:
     """Median decode step (forward + cache write) ms of ``slots`` rows nearly full, at each table
     width of the paged cache and at the same length of the contiguous cache."""
     config = ServingConfig(slots=slots, page_size=PAGE, max_context=max(widths) * PAGE, max_chunk=16,
-                           num_pages=max(widths))
+                           num_pages=max(widths), kernels=kernels)
     server = ServingEngine(engine, config)
     tables = np.tile(np.arange(config.max_table_pages, dtype=np.int32) % config.num_pages, (slots, 1))
     tokens, ones = np.ones((slots, 1), np.int32), np.ones(slots, np.int32)
@@ -186,7 +210,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--long", type=int, default=3000, help="prompt tokens of the memory comparison")
     parser.add_argument("--widths", default="8,64,512", help="table widths (pages) of the decode sweep")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: throughput,widths,memory")
+    parser.add_argument("--kernels", default="auto", help="how serving attends: auto|reference|pallas|pallas_interpret")
+    parser.add_argument("--skip", default="",
+                        help="comma-separated sections to skip: throughput,kernels,widths,memory")
     parser.add_argument("--memory-only", choices=["contiguous", "paged"], help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -200,12 +226,16 @@ def main() -> None:
         result[name] = value
         print(json.dumps({name: value}), file=sys.stderr, flush=True)
 
-    if not {"throughput", "widths"} <= skip:
+    on_kernels = resolve_mode(args.kernels) is not KernelMode.REFERENCE
+    if not {"throughput", "kernels", "widths"} <= skip:
         engine = Engine.load(args.model, progress=False)
+        sizes = (engine, args.requests, args.prompt_len, args.new_tokens, args.kernels)
         if "throughput" not in skip:
-            report("throughput", throughput(engine, args.requests, args.prompt_len, args.new_tokens))
+            report("throughput", throughput(*sizes))
+        if "kernels" not in skip and on_kernels:
+            report("kernels_vs_reference", kernels_vs_reference(*sizes))
         if "widths" not in skip:
-            report("decode_ms_by_context", width_sweep(engine, [int(w) for w in args.widths.split(",")]))
+            report("decode_ms_by_context", width_sweep(engine, [int(w) for w in args.widths.split(",")], args.kernels))
     if "memory" not in skip:
         report("memory", {kind: _memory_in_subprocess(args, kind) for kind in ("contiguous", "paged")})
         engine = Engine.load(args.model, progress=False)
