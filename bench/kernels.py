@@ -3,15 +3,16 @@
     python bench/kernels.py [--json] [--sizes small|full] [--dtype bf16|fp32] [--repeats N]
 
 For every op (paged GQA and MLA-latent attention for decode and for a chunked-prefill chunk,
-flash prefill, DSA sparse attention) and size, times the jitted reference and the jitted Pallas kernel (median of ``--repeats`` runs
-after a compile-and-warm-up call), checks that they agree, and prints a table (or one JSON
-object) with the ratio reference/pallas and the achieved GB/s (decode) or TFLOP/s (prefill).
+flash prefill, DSA sparse attention) and size, times the jitted reference and the jitted Pallas
+kernel (median of ``--repeats`` runs after a compile-and-warm-up call), checks that they agree,
+and prints a table (or one JSON object) with the ratio reference/pallas and the achieved GB/s
+(decode) or TFLOP/s (prefill).
 
 On a GPU the defaults are the realistic sizes (decode B=8, N=32, K=8, H=128 over 4k-32k
 tokens in pages of 16 and 32; MLA decode with 128 heads over 512+64-wide latent rows; a prefill
 chunk of 256 queries at the end of a 4k context through pages, GQA and MLA; prefill T=S=2k-8k;
-DSA top-2048, per-row rows and a shared pool) in bf16. Elsewhere Pallas cannot compile (Pallas Triton needs a GPU):
-the script says so, times only the reference at small sizes in fp32, checks each kernel against
+DSA top-2048, per-row rows and a shared pool) in bf16. Elsewhere Pallas cannot compile (Pallas
+Triton needs a GPU): the script says so, times only the reference at small sizes in fp32, checks each kernel against
 its reference once in interpret mode at a tiny size (not timed), and checks that every kernel
 still lowers to Pallas Triton at the full sizes. Exits 1 if any kernel disagrees with its
 reference or fails to lower.
