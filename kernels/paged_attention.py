@@ -58,10 +58,13 @@ class PagedBlocks:
 
 
 # GPU tiles by largest value width they serve (H for GQA, kv_lora_rank for MLA): starting
-# points for Hopper-class GPUs (132 SMs: two programs each), not yet tuned on one.
+# points for Hopper-class GPUs (132 SMs: two programs each), not yet tuned on one. A decode
+# step has G <= 16 rows per kv head and so uses 16 whatever ``block_rows`` says (rows are
+# capped at the next power of two of R); a prefill chunk has T*G rows, and a larger block
+# re-reads each kv head's pages for fewer programs (64 rows as flash's query blocks, unmeasured).
 PAGED_BLOCKS_GPU: tuple[tuple[int, PagedBlocks], ...] = (
-    (128, PagedBlocks(tokens_per_tile=64, block_rows=16, min_programs=264, num_warps=4, num_stages=2)),
-    (256, PagedBlocks(tokens_per_tile=32, block_rows=16, min_programs=264, num_warps=4, num_stages=2)),
+    (128, PagedBlocks(tokens_per_tile=64, block_rows=64, min_programs=264, num_warps=4, num_stages=2)),
+    (256, PagedBlocks(tokens_per_tile=32, block_rows=32, min_programs=264, num_warps=4, num_stages=2)),
 )
 PAGED_BLOCKS_WIDE = PagedBlocks(tokens_per_tile=16, block_rows=16, min_programs=264, num_warps=8, num_stages=2)
 # Interpret mode: one page of 16 tokens per step, no splits (tests force splits explicitly).
