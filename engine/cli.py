@@ -77,25 +77,33 @@ def _placement(text: str | None):
     return placement_from_text(text)
 
 
-def _resolve_kernels(choice: str, mesh: str | None):
+def _resolve_kernels(choice: str, mesh: str | None, kv_cache: str):
     """The concrete ``--kernels`` mode generation runs, and its ``describe`` record for --json.
 
-    A mode that cannot run here is the kernels' one-line error. The paged kernels serve one
-    device: with --mesh, ``auto`` means reference and an explicit kernel mode is refused.
+    A mode that cannot run here is the kernels' one-line error. The kernels serve one device
+    and an unquantized paged cache: with --mesh or a quantized --kv-cache, ``auto`` means
+    reference and an explicit kernel mode is refused.
     """
     from dayzero.kernels import KernelError, KernelMode, describe
+    from dayzero.model.quant import KVQuant, parse_kv_quant
 
     try:
         info = describe(choice)
     except KernelError as e:
         raise CommandError(str(e)) from None
     mode = KernelMode(info["resolved"])
-    if mesh is not None and mode is not KernelMode.REFERENCE:
-        if choice != "auto":
-            raise CommandError(f"--kernels {choice} runs on one device, not on --mesh {mesh}; "
-                               "drop --mesh or use --kernels reference")
-        mode, info = KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
-    return mode, info
+    if mode is KernelMode.REFERENCE:
+        return mode, info
+    obstacle = None
+    if mesh is not None:
+        obstacle = f"runs on one device, not on --mesh {mesh}; drop --mesh"
+    elif parse_kv_quant(kv_cache) is not KVQuant.NONE:
+        obstacle = f"serves an unquantized paged KV cache, not --kv-cache {kv_cache}; use --kv-cache none"
+    if obstacle is None:
+        return mode, info
+    if choice != "auto":
+        raise CommandError(f"--kernels {choice} {obstacle} or use --kernels reference")
+    return KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
 
 
 def _generate_on_kernels(engine, prompt, args: argparse.Namespace, sampling, mode, on_text):
@@ -240,7 +248,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dayzero.kernels import KernelMode
 
     placement = _placement(args.mesh)
-    kernels, kernels_info = _resolve_kernels(args.kernels, args.mesh)
+    kernels, kernels_info = _resolve_kernels(args.kernels, args.mesh, args.kv_cache)
     if args.logprobs and not args.json:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)

@@ -199,6 +199,22 @@ def test_generate_kernels_pallas_interpret_streams_text(tiny_model, tiny_engine,
     assert out == tiny_engine.generate("hi", max_new_tokens=3).text + "\n"
 
 
+def test_generate_kernels_with_a_quantized_kv_cache(tiny_model, capsys, monkeypatch):
+    """The kernels serve an unquantized paged cache: an explicit kernel mode with --kv-cache int8
+    is a one-line error; ``auto``, where it would mean pallas, takes the reference path."""
+    argv = ["generate", "--model", tiny_model.dir, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json",
+            "--kv-cache", "int8"]
+    rc, out, err = _run([*argv, "--kernels", "pallas_interpret"], capsys)
+    _assert_one_line_error(rc, out, err, "--kv-cache int8", "--kernels reference")
+    from dayzero.kernels import mode
+
+    monkeypatch.setattr(mode, "current_platform", lambda: "gpu")
+    rc, out, err = _run([*argv, "--kernels", "auto"], capsys)
+    assert rc == 0, err
+    assert json.loads(out)["kernels"] == {"requested": "auto", "resolved": "reference", "platform": "gpu",
+                                          "backend": "xla"}
+
+
 def test_generate_huge_seed_is_not_a_traceback(tiny_model, capsys):
     """--seed 2**64 parses as an int; it must either work or be refused in one line."""
     rc, out, err = _run(
