@@ -385,11 +385,15 @@ def test_no_recompilation_within_a_bucket(tiny_model):
     assert counter.count == 0
     assert sizes() == after_first
     assert engine.compile_s == compile_s
-    # A longer prompt (bucket 32) compiles a new prefill only: the counters do see compilations.
+    # A longer prompt (bucket 32) compiles a new prefill, and the write of its 32 new positions
+    # unless an earlier test already compiled that (the jits are shared by every engine of the
+    # model), but no new decode step: the counters do see compilations.
     with CompileCounter() as counter:
         engine.generate(list(range(20)), max_new_tokens=4)
     assert counter.count >= 1
-    assert sizes() == (after_first[0] + 1, after_first[1], after_first[2])
+    prefill, decode, append = sizes()
+    assert (prefill, decode) == (after_first[0] + 1, after_first[1])
+    assert append in (after_first[2], after_first[2] + 1)
     assert engine.compile_s > compile_s
 
 
