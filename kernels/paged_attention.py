@@ -81,7 +81,6 @@ def paged_blocks(value_dim: int, interpret: bool) -> PagedBlocks:
     return PAGED_BLOCKS_WIDE
 
 
-
 def check_tables(op: str, block_tables, kv_lengths, q_offsets, batch: int) -> None:
     """Raise unless block_tables is int32 [B, W >= 1], kv_lengths int32 [B] and q_offsets None
     or int32 [B]."""
