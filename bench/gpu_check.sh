@@ -12,7 +12,11 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/gpu_check}"
 mkdir -p "$out"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -3
+# dayzero's packages are the repository's top-level folders (pyproject's package-dir): a link
+# named dayzero makes them importable with no install (the device has no network, and its
+# setuptools may predate the pyproject's).
+mkdir -p /tmp/dayzero_path && ln -sfn "$PWD" /tmp/dayzero_path/dayzero
+export PYTHONPATH="/tmp/dayzero_path${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
 timeout 240 python3 -m pytest -q -rs tests/test_kernels.py tests/test_kernels_attention.py 2>&1 | tee "$out/tests.log"
