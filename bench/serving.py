@@ -1,7 +1,7 @@
 """Continuous batching over the paged KV cache: aggregate throughput, decode cost by table
 width, and KV memory for a long context against the contiguous cache.
 
-    python bench/serving.py [--model DIR] [--requests 32] [--prompt-len 64] [--new-tokens 32]
+    python bench/serving.py [--model DIR | --config HF_CONFIG [--dtype bfloat16] [--layers N]] [--requests 32] [--prompt-len 64] [--new-tokens 32]
         [--long 3000] [--widths 8,64,512] [--kernels auto] [--json]
 
 1. Throughput: the same ``--requests`` prompts (``--new-tokens`` each, EOS ignored, so every
@@ -20,7 +20,9 @@ With ``--kernels`` resolving to a Pallas mode (``auto`` on a GPU) the serving en
 kernels, and section 1 is followed by the same concurrent workload served on the kernels and on
 the reference path side by side (tokens/s of each, and how many requests gave identical tokens).
 
-Default model: the embedded SmolLM2-135M (set DAYZERO_CACHE to reuse a converted copy).
+Default model: the embedded SmolLM2-135M (set DAYZERO_CACHE to reuse a converted copy);
+``--config`` serves random weights of any HF architecture instead (on a machine without the
+checkpoint: the shapes, and so the timings, are the real model's; the tokens are not).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from dayzero.engine.measure import bench_prompt
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
 from dayzero.kernels import KernelMode, resolve_mode
+from dayzero.model.hf_config import load_hf_config
+from dayzero.model.weights import abstract_weights, init_weights
 from dayzero.model.transformer import append_to_cache, forward, init_cache
 
 PAGE = 16
@@ -92,12 +96,13 @@ def throughput(engine: Engine, requests: int, prompt_len: int, new_tokens: int, 
 
 def kernels_vs_reference(engine: Engine, requests: int, prompt_len: int, new_tokens: int, kernels: str) -> dict:
     """The same concurrent workload served on the kernels and on the reference path, in one
-    run: tokens/s of each (compiled first) and how many requests gave identical tokens."""
+    run: tokens/s of each (a first untimed run compiles the shapes it uses) and how many
+    requests gave identical tokens."""
     prompts = bench_prompt(engine.config.vocab_size, prompt_len, requests, engine.eos_ids)
     out, tokens = {}, {}
     for mode in (kernels, "reference"):
         server = ServingEngine(engine, _throughput_config(requests, prompt_len, new_tokens, mode))
-        server.warmup()
+        server.run(prompts, max_new_tokens=new_tokens, ignore_eos=True)
         start = time.perf_counter()
         tokens[mode] = [c.token_ids for c in server.run(prompts, max_new_tokens=new_tokens, ignore_eos=True)]
         out[f"{server.config.kernels.value}_tok_s"] = requests * new_tokens / (time.perf_counter() - start)
@@ -143,11 +148,23 @@ def _median_ms(fn, steps: int) -> float:
     return 1e3 * statistics.median(times)
 
 
-def memory(model: str | None, kind: str, length: int) -> dict:
+def load_engine(args: argparse.Namespace) -> Engine:
+    """The converted model at ``--model`` (default: the embedded SmolLM2), or, with ``--config``
+    (an HF config.json or its directory), random weights of that architecture in ``--dtype``
+    (default: bf16 on GPU, fp32 elsewhere), its first ``--layers`` layers if given: the real
+    shapes of a model whose weights are not here."""
+    if args.config is None:
+        return Engine.load(args.model, progress=False)
+    model_config = load_hf_config(args.config, {"num_hidden_layers": args.layers} if args.layers else None)
+    dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    return Engine(model_config, init_weights(abstract_weights(model_config), jax.random.key(0), jnp.dtype(dtype)))
+
+
+def memory(args: argparse.Namespace, kind: str, length: int) -> dict:
     """KV bytes and RSS of one ``length``-token prompt (+16 new tokens) in this process: RSS
     after loading the model, and the peak after that (Linux: the high-water mark is reset once
     the model is loaded, so the figure is the generation's own peak)."""
-    engine = Engine.load(model, progress=False)
+    engine = load_engine(args)
     prompt = bench_prompt(engine.config.vocab_size, length, 1, engine.eos_ids)[0]
     dtype = engine.weights.embed.dtype
     loaded = _reset_peak_rss()
@@ -197,14 +214,21 @@ def mixed_batch_kv(engine: Engine, long: int, short: int, batch: int, new_tokens
 
 def _memory_in_subprocess(args, kind: str) -> dict:
     cmd = [sys.executable, __file__, "--memory-only", kind, "--long", str(args.long)]
-    if args.model:
-        cmd += ["--model", args.model]
+    for flag in ("model", "config", "dtype", "layers"):
+        if getattr(args, flag):
+            cmd += [f"--{flag}", str(getattr(args, flag))]
     return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=None, help="converted model directory (default: embedded SmolLM2)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="converted model directory (default: embedded SmolLM2)")
+    source.add_argument("--config", default=None,
+                        help="HF config.json (or its directory): random weights of that architecture")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="weights of --config (default: bfloat16 on GPU, float32 elsewhere)")
+    parser.add_argument("--layers", type=int, default=None, help="serve only the first N layers of --config")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -217,7 +241,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.memory_only:
-        print(json.dumps(memory(args.model, args.memory_only, args.long)))
+        print(json.dumps(memory(args, args.memory_only, args.long)))
         return
     skip = set(args.skip.split(","))
     result = {}
@@ -228,7 +252,7 @@ def main() -> None:
 
     on_kernels = resolve_mode(args.kernels) is not KernelMode.REFERENCE
     if not {"throughput", "kernels", "widths"} <= skip:
-        engine = Engine.load(args.model, progress=False)
+        engine = load_engine(args)
         sizes = (engine, args.requests, args.prompt_len, args.new_tokens, args.kernels)
         if "throughput" not in skip:
             report("throughput", throughput(*sizes))
@@ -238,7 +262,7 @@ def main() -> None:
             report("decode_ms_by_context", width_sweep(engine, [int(w) for w in args.widths.split(",")], args.kernels))
     if "memory" not in skip:
         report("memory", {kind: _memory_in_subprocess(args, kind) for kind in ("contiguous", "paged")})
-        engine = Engine.load(args.model, progress=False)
+        engine = load_engine(args)
         report("mixed_batch_kv", mixed_batch_kv(engine, args.long, args.prompt_len, args.requests, args.new_tokens))
     print(json.dumps(result, indent=None if args.json else 2))
 

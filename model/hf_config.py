@@ -370,8 +370,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     return config
 
 
-def load_hf_config(path: str | Path) -> ModelConfig:
-    """Parse an HF ``config.json`` file (or the ``config.json`` inside a directory)."""
+def load_hf_config(path: str | Path, overrides: dict | None = None) -> ModelConfig:
+    """Parse an HF ``config.json`` file (or the ``config.json`` inside a directory), with
+    ``overrides`` of its keys (e.g. ``{"num_hidden_layers": 4}`` for a slice of a model)."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
@@ -381,4 +382,4 @@ def load_hf_config(path: str | Path) -> ModelConfig:
         raise ConfigError(f"no config.json at {path}; pass an HF model directory") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON ({e})") from None
-    return parse_hf_config(raw)
+    return parse_hf_config({**raw, **(overrides or {})})
