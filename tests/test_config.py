@@ -122,6 +122,16 @@ def test_load_from_directory(tmp_path):
     assert load_hf_config(tmp_path) == load_hf_config(tmp_path / "config.json") == parse_hf_config(_cfg())
 
 
+def test_load_with_overrides(tmp_path):
+    """Overrides replace keys before the strict parse (a slice of a model keeps its widths)."""
+    (tmp_path / "config.json").write_text(json.dumps(_cfg()))
+    sliced = load_hf_config(tmp_path, {"num_hidden_layers": 1})
+    assert sliced == parse_hf_config({**_cfg(), "num_hidden_layers": 1})
+    assert sliced.num_layers == 1 and sliced.hidden_size == parse_hf_config(_cfg()).hidden_size
+    with pytest.raises(ConfigError, match="not_a_key"):
+        load_hf_config(tmp_path, {"not_a_key": 1})
+
+
 # ---- what each family means -------------------------------------------------------------------------
 
 
