@@ -380,6 +380,8 @@ def forward(
     which carries its own mode) is returned written, in place of the new keys/values.
     """
     B, T = tokens.shape
+    if parallel is not None and (kernels is not KernelMode.REFERENCE or isinstance(cache, PagedKernelCache)):
+        raise ValueError("the Pallas kernels run on one device, not on a mesh; use kernels=reference there")
     if num_new is None:
         num_new = jnp.full((B,), T, jnp.int32)
     if cache is None:
