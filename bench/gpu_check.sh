@@ -26,7 +26,7 @@ timeout 200 python3 bench/kernels.py --json > "$out/kernels.json" 2> "$out/kerne
 echo "bench/kernels.py exit $?"
 tail -c 3000 "$out/kernels.json"
 timeout 180 python3 bench/serving.py --config bench/configs/llama3-8b.json --layers 4 --kernels pallas \
-    --requests 8 --prompt-len 128 --new-tokens 32 --skip throughput,widths,memory --json \
+    --requests 8 --prompt-len 128 --new-tokens 32 --skip throughput,widths,memory,formats --json \
     > "$out/serving.json" 2> "$out/serving.err"
 echo "bench/serving.py exit $?"
 cat "$out/serving.json"

@@ -1,8 +1,9 @@
 """Continuous batching over the paged KV cache: aggregate throughput, decode cost by table
 width, and KV memory for a long context against the contiguous cache.
 
-    python bench/serving.py [--model DIR | --config HF_CONFIG [--dtype bfloat16] [--layers N]] [--requests 32] [--prompt-len 64] [--new-tokens 32]
-        [--long 3000] [--widths 8,64,512] [--kernels auto] [--json]
+    python bench/serving.py [--model DIR | --config HF_CONFIG [--dtype bfloat16] [--layers N]]
+        [--requests 32] [--prompt-len 64] [--new-tokens 32] [--long 3000] [--widths 8,64,512]
+        [--kernels auto] [--skip SECTIONS] [--json]
 
 1. Throughput: the same ``--requests`` prompts (``--new-tokens`` each, EOS ignored, so every
    run produces the same tokens) served concurrently by ``ServingEngine`` (one slot each),
@@ -15,6 +16,8 @@ width, and KV memory for a long context against the contiguous cache.
    allocated (the contiguous cache is a power-of-two bucket of the length; the pool is sized to
    the request's pages here) and the peak RSS of the generation; and, from shapes alone, the KV
    bytes of a batch mixing that long prompt with ``--requests - 1`` short ones.
+4. KV formats (from shapes alone): the bytes of the page pool for that long prompt stored
+   unquantized and as each quantized ``--kv-cache`` scheme (values plus fp32 scales).
 
 With ``--kernels`` resolving to a Pallas mode (``auto`` on a GPU) the serving engine runs on the
 kernels, and section 1 is followed by the same concurrent workload served on the kernels and on
@@ -45,6 +48,8 @@ from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
 from dayzero.kernels import KernelMode, resolve_mode
 from dayzero.model.hf_config import load_hf_config
+from dayzero.model.paged_cache import init_paged_cache
+from dayzero.model.quant import KVQuant
 from dayzero.model.weights import abstract_weights, init_weights
 from dayzero.model.transformer import append_to_cache, forward, init_cache
 
@@ -212,6 +217,21 @@ def mixed_batch_kv(engine: Engine, long: int, short: int, batch: int, new_tokens
             "paged_mb": paged / 2**20}
 
 
+def pool_bytes_by_format(engine: Engine, long: int) -> dict:
+    """Bytes of the page pool that holds one ``long``-token prompt (+16 tokens) per KV-cache
+    scheme, from shapes (nothing allocated), with the ratio to the unquantized pool."""
+    dtype = engine.weights.embed.dtype
+
+    def pool_bytes(scheme: KVQuant) -> int:
+        pool = jax.eval_shape(lambda: init_paged_cache(engine.config, _pages(long + LONG_NEW), PAGE, dtype=dtype,
+                                                       kv_quant=scheme))
+        return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(pool) if len(x.shape) >= 3)
+
+    sizes = {scheme.value: pool_bytes(scheme) for scheme in KVQuant}
+    return {"long": long, **{f"{name}_mb": n / 2**20 for name, n in sizes.items()},
+            **{f"{name}_ratio": n / sizes["none"] for name, n in sizes.items() if name != "none"}}
+
+
 def _memory_in_subprocess(args, kind: str) -> dict:
     cmd = [sys.executable, __file__, "--memory-only", kind, "--long", str(args.long)]
     for flag in ("model", "config", "dtype", "layers"):
@@ -236,7 +256,7 @@ def main() -> None:
     parser.add_argument("--widths", default="8,64,512", help="table widths (pages) of the decode sweep")
     parser.add_argument("--kernels", default="auto", help="how serving attends: auto|reference|pallas|pallas_interpret")
     parser.add_argument("--skip", default="",
-                        help="comma-separated sections to skip: throughput,kernels,widths,memory")
+                        help="comma-separated sections to skip: throughput,kernels,widths,memory,formats")
     parser.add_argument("--memory-only", choices=["contiguous", "paged"], help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -264,6 +284,8 @@ def main() -> None:
         report("memory", {kind: _memory_in_subprocess(args, kind) for kind in ("contiguous", "paged")})
         engine = load_engine(args)
         report("mixed_batch_kv", mixed_batch_kv(engine, args.long, args.prompt_len, args.requests, args.new_tokens))
+    if "formats" not in skip:
+        report("kv_formats", pool_bytes_by_format(load_engine(args), args.long))
     print(json.dumps(result, indent=None if args.json else 2))
 
 

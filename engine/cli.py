@@ -81,8 +81,8 @@ def _resolve_kernels(choice: str, mesh: str | None, kv_cache: str):
     """The concrete ``--kernels`` mode generation runs, and its ``describe`` record for --json.
 
     A mode that cannot run here is the kernels' one-line error. The kernels serve one device
-    and an unquantized paged cache: with --mesh or a quantized --kv-cache, ``auto`` means
-    reference and an explicit kernel mode is refused.
+    and read unquantized pages: with --mesh or a quantized --kv-cache, ``auto`` means reference
+    and an explicit kernel mode is refused.
     """
     from dayzero.kernels import KernelError, KernelMode, describe
     from dayzero.model.quant import KVQuant, parse_kv_quant
@@ -98,7 +98,7 @@ def _resolve_kernels(choice: str, mesh: str | None, kv_cache: str):
     if mesh is not None:
         obstacle = f"runs on one device, not on --mesh {mesh}; drop --mesh"
     elif parse_kv_quant(kv_cache) is not KVQuant.NONE:
-        obstacle = f"serves an unquantized paged KV cache, not --kv-cache {kv_cache}; use --kv-cache none"
+        obstacle = f"reads unquantized KV pages, not --kv-cache {kv_cache}; use --kv-cache none"
     if obstacle is None:
         return mode, info
     if choice != "auto":

@@ -37,7 +37,9 @@ from dayzero.engine.generate import GenerationError, bucket
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
 from dayzero.model.config import ModelConfig
 from dayzero.kernels import KernelMode, resolve_mode
+from dayzero.kernels.mode import parse_mode
 from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, with_written
+from dayzero.model.quant import KVQuant
 from dayzero.model.transformer import forward
 from dayzero.model.weights import Weights
 
@@ -87,9 +89,12 @@ class ServingConfig:
             if not ok:
                 raise GenerationError(f"{name}={getattr(self, name)!r} is invalid; it must be {expected}")
 
-    def resolve(self, model: ModelConfig) -> "ServingConfig":
-        """A copy with every default filled in for ``model``; checks the pool can hold one
-        sequence of ``max_context`` tokens."""
+    def resolve(self, model: ModelConfig, kv_cache: KVQuant = KVQuant.NONE) -> "ServingConfig":
+        """A copy with every default filled in for ``model`` whose pages are stored as
+        ``kv_cache`` says; checks the pool can hold one sequence of ``max_context`` tokens.
+
+        The kernels read unquantized pages only: with a quantized ``kv_cache``, ``auto`` means
+        reference and an explicit kernel mode is refused."""
         context = self.max_context or model.max_position_embeddings
         if context > model.max_position_embeddings:
             raise GenerationError(
@@ -102,7 +107,19 @@ class ServingConfig:
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
         return dataclasses.replace(self, max_context=context, num_pages=pages,
-                                   kernels=resolve_mode(self.kernels))
+                                   kernels=self._resolved_kernels(kv_cache))
+
+    def _resolved_kernels(self, kv_cache: KVQuant) -> KernelMode:
+        """The concrete kernel mode for pages stored as ``kv_cache`` (see :meth:`resolve`)."""
+        mode = parse_mode(self.kernels)
+        if kv_cache is KVQuant.NONE or mode is KernelMode.REFERENCE:
+            return resolve_mode(mode)
+        if mode is KernelMode.AUTO:
+            return KernelMode.REFERENCE
+        raise GenerationError(
+            f"kernels={mode.value} reads unquantized pages, but the engine's KV cache is "
+            f"kv_cache={kv_cache.value}; serve it with kernels='reference' (or 'auto'), or load the "
+            "engine with kv_cache='none'")
 
     # ---- shape policy (on a resolved config) ----------------------------------------------------
 
@@ -225,14 +242,17 @@ def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
 class PagedSteps:
     """The page pool on the device and the compiled forward, page write and sampling steps."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, serving: ServingConfig):
+    def __init__(self, config: ModelConfig, weights: Weights, serving: ServingConfig,
+                 kv_cache: KVQuant = KVQuant.NONE):
+        """Steps for ``serving`` (resolved) over a pool whose pages are stored as ``kv_cache``."""
         self.config, self.weights, self.serving = config, weights, serving
-        self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=weights.embed.dtype)
+        self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=weights.embed.dtype,
+                                     kv_quant=kv_cache)
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the page pool (every layer)."""
+        """Bytes of the page pool (every layer; a quantized pool's values and scales)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.pool) if x.ndim >= 3)
 
     def run(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,

@@ -40,7 +40,6 @@ from dayzero.engine.generate import Completion, Engine, GenerationError, check_m
 from dayzero.engine.paged_steps import PagedSteps, RowParams, ServingConfig, key_data, sampling_mode
 from dayzero.engine.paging import PagePool, PoolExhausted, page_hashes
 from dayzero.engine.sampling import SamplingParams
-from dayzero.model.quant import KVQuant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,14 +106,11 @@ class ServingEngine:
     """Continuous-batching generation over an :class:`Engine`'s model with a paged KV cache."""
 
     def __init__(self, engine: Engine, config: ServingConfig = ServingConfig()):
-        if engine.kv_cache is not KVQuant.NONE:
-            raise GenerationError(
-                f"the paged KV cache is not quantized, but the engine was loaded with kv_cache="
-                f"{engine.kv_cache.value}; load it with kv_cache='none' (--kv-cache none), or generate "
-                "with the contiguous cache (--kernels reference)")
         self.engine = engine
-        self.config = config.resolve(engine.config)
-        self.steps = PagedSteps(engine.config, engine.weights, self.config)
+        # The pages are stored as the engine's KV cache is (``Engine(kv_cache=)``): quantized
+        # pages keep serving on the reference path (see ``ServingConfig.resolve``).
+        self.config = config.resolve(engine.config, engine.kv_cache)
+        self.steps = PagedSteps(engine.config, engine.weights, self.config, engine.kv_cache)
         self.pool = PagePool(self.config.num_pages)
         self.stats = ServingStats()
         self._ids = itertools.count()

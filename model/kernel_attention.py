@@ -23,7 +23,9 @@ write is an in-place scatter of B*T rows per layer, and it replaces the referenc
 page write.
 
 This module also holds the page writes (``page_slots`` and the row writes) that ``paged_cache``
-shares; it imports nothing from the model, so that the attention blocks can import it.
+shares; it imports nothing from the model but ``quant`` (which imports nothing from it either),
+so that the attention blocks can import it. The writes quantize into a quantized pool (the
+reference path's); the kernels themselves read plain pools only.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from flax import struct
 from dayzero.kernels import (KernelMode, flash_attention, paged_attention, paged_latent_attention,
                              sparse_attention)
 from dayzero.kernels.paged_attention import gather_pages
+from dayzero.model.quant import QuantizedArray, quantize_like
 
 # ``select(key_cache) -> (indices [B,T,k], visible [B,T,k])``: the indexer's picks among the
 # cached keys [B,S,J] (None: nothing cached) then the new ones (``dsa.select`` with the rest bound).
@@ -59,14 +62,23 @@ def page_slots(block_tables: jax.Array, lengths: jax.Array, num_new: jax.Array, 
     return jnp.where(real, pages, num_pages), positions % page_size
 
 
-def write_head_rows(pool: jax.Array, rows: jax.Array, pages: jax.Array, slots: jax.Array) -> jax.Array:
+def write_head_rows(pool: jax.Array | QuantizedArray, rows: jax.Array, pages: jax.Array,
+                    slots: jax.Array) -> jax.Array | QuantizedArray:
     """Per-head rows [B,T,K,H] written into a key or value pool [K,P,page,H] at (pages, slots) [B,T]."""
-    return pool.at[:, pages, slots].set(rows.transpose(2, 0, 1, 3).astype(pool.dtype), mode="drop")
+    return write_rows(pool, rows.transpose(2, 0, 1, 3), pages, slots)
 
 
-def write_rows(pool: jax.Array, rows: jax.Array, pages: jax.Array, slots: jax.Array) -> jax.Array:
-    """Rows [B,T,C] written into a latent (or indexer key) pool [P,page,C] at (pages, slots) [B,T]."""
-    return pool.at[pages, slots].set(rows.astype(pool.dtype), mode="drop")
+def write_rows(pool: jax.Array | QuantizedArray, rows: jax.Array, pages: jax.Array,
+               slots: jax.Array) -> jax.Array | QuantizedArray:
+    """Rows [B,T,C] written into a latent (or indexer key) pool [P,page,C] at (pages, slots) [B,T]
+    (or rows [K,B,T,H] into a per-head pool [K,P,page,H]). Into a quantized pool the rows are
+    quantized first, one scale per row (per head), and values and scales are written alike: the
+    same quantization the contiguous cache's write applies to the same rows."""
+    if isinstance(pool, QuantizedArray):
+        q = quantize_like(rows, pool)
+        return pool.replace(values=write_rows(pool.values, q.values, pages, slots),
+                            scale=write_rows(pool.scale, q.scale, pages, slots))
+    return pool.at[..., pages, slots, :].set(rows.astype(pool.dtype), mode="drop")
 
 
 def _picks(indices: jax.Array, visible: jax.Array) -> jax.Array:

@@ -11,6 +11,16 @@ values [K, P, page_size, H] (kv heads, pool pages, slots, head dim); multi-head 
 attention's latent rows [P, page_size, C] and, with sparse attention, the indexer keys
 [P, page_size, J].
 
+With a quantized KV cache (``kv_quant`` int8 / fp8, as the contiguous cache's
+``transformer.cache_specs``) every pool is a :class:`~dayzero.model.quant.QuantizedArray`: stored
+values in the pool's layout and one fp32 scale per (kv head, page, slot) for keys and values
+(scale [K, P, page_size, 1]), per (page, slot) for latent rows and indexer keys ([P, page_size,
+1]). Writes quantize each new row; ``layer(i)`` gathers values and scales alike and hands the
+attention blocks the gathered view still quantized, which they read through ``dequantized``
+exactly as they read the contiguous cache (so the two caches compute the same function, and a
+sparse block dequantizes only the rows it picks). The Pallas kernels read plain pages only
+(``ServingConfig.resolve`` keeps a quantized cache on the reference path).
+
 The caches here have the interface ``transformer.forward`` reads (``lengths``, ``rope_len``,
 ``max_len``, ``layer(i)``): ``layer(i)`` gathers each row's pages into the contiguous view the
 attention blocks take (K and V [B,K,S,H], keys token-major unlike the contiguous cache; latent
@@ -32,6 +42,7 @@ from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
 from dayzero.kernels.paged_attention import gather_pages
 from dayzero.model.kernel_attention import PagedKernelCache, page_slots, write_head_rows, write_rows
+from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, empty_quantized
 from dayzero.model.transformer import NewKV, NewLatent
 
 __all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "page_slots", "append_to_pages",
@@ -47,8 +58,8 @@ class PagedKVCache:
     written.
     """
 
-    k_pages: tuple[jax.Array, ...]
-    v_pages: tuple[jax.Array, ...]
+    k_pages: tuple[jax.Array | QuantizedArray, ...]
+    v_pages: tuple[jax.Array | QuantizedArray, ...]
     block_tables: jax.Array
     lengths: jax.Array
     rope_len: jax.Array
@@ -74,7 +85,7 @@ class PagedKVCache:
         the gathered copy cost more than the whole attention (``attend`` reads them token-major).
         """
         tables = _after(self.block_tables, after)
-        return gather_pages(self.k_pages[i], tables), gather_pages(self.v_pages[i], tables)
+        return _gathered(self.k_pages[i], tables), _gathered(self.v_pages[i], tables)
 
 
 def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
@@ -91,17 +102,26 @@ def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
     return jnp.minimum(block_tables, block_tables + flag)
 
 
+def _gathered(pool: jax.Array | QuantizedArray, tables: jax.Array) -> jax.Array | QuantizedArray:
+    """``gather_pages`` of a pool; a quantized pool's values and scales are gathered alike (one
+    row gather each) and stay quantized: the scale's channel axis is the last one in both the
+    pool and the gathered view, so the layout metadata carries over unchanged."""
+    if isinstance(pool, QuantizedArray):
+        return pool.replace(values=gather_pages(pool.values, tables), scale=gather_pages(pool.scale, tables))
+    return gather_pages(pool, tables)
+
+
 @struct.dataclass
 class PagedLatentCache:
     """Multi-head latent attention's paged cache: per layer latent pages [P, page_size, C]
     (and indexer key pages [P, page_size, J] with sparse attention), block tables [B, W],
     lengths [B] and ``rope_len`` (as :class:`~dayzero.model.transformer.LatentCache`)."""
 
-    latent_pages: tuple[jax.Array, ...]
+    latent_pages: tuple[jax.Array | QuantizedArray, ...]
     block_tables: jax.Array
     lengths: jax.Array
     rope_len: jax.Array
-    index_key_pages: tuple[jax.Array, ...] | None = None
+    index_key_pages: tuple[jax.Array | QuantizedArray, ...] | None = None
 
     @property
     def page_size(self) -> int:
@@ -117,33 +137,41 @@ class PagedLatentCache:
         """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages
         once ``after`` (the layer's input) is computed."""
         tables = _after(self.block_tables, after)
-        latent = gather_pages(self.latent_pages[i], tables)
+        latent = _gathered(self.latent_pages[i], tables)
         if self.index_key_pages is None:
             return (latent,)
-        return latent, gather_pages(self.index_key_pages[i], tables)
+        return latent, _gathered(self.index_key_pages[i], tables)
 
 
 def init_paged_cache(
-    config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1, dtype=jnp.float32
+    config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1, dtype=jnp.float32,
+    kv_quant: KVQuant = KVQuant.NONE,
 ) -> PagedKVCache | PagedLatentCache:
     """A zeroed pool of ``num_pages`` pages of ``page_size`` positions per layer, with ``batch``
     empty rows whose tables are ``table_width`` wide (replace ``block_tables`` and ``lengths``
-    to serve sequences)."""
+    to serve sequences). ``kv_quant``: store the pages quantized (see the module docstring)."""
     tables = jnp.zeros((batch, table_width), jnp.int32)
     lengths = jnp.zeros((batch,), jnp.int32)
     rope_len = jnp.zeros((), jnp.int32)
     L = config.num_layers
+
+    def pool(shape: tuple[int, ...]) -> jax.Array | QuantizedArray:
+        if kv_quant is KVQuant.NONE:
+            return jnp.zeros(shape, dtype)
+        # The channel (head dim / latent width) is the last axis of every pool.
+        return empty_quantized(shape, KV_FORMATS[kv_quant], (len(shape) - 1,))
+
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.rope_dim
         keys = None
         if config.dsa is not None:
-            keys = tuple(jnp.zeros((num_pages, page_size, config.dsa.head_dim), dtype) for _ in range(L))
-        latent = tuple(jnp.zeros((num_pages, page_size, width), dtype) for _ in range(L))
+            keys = tuple(pool((num_pages, page_size, config.dsa.head_dim)) for _ in range(L))
+        latent = tuple(pool((num_pages, page_size, width)) for _ in range(L))
         return PagedLatentCache(latent, tables, lengths, rope_len, keys)
     shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
     return PagedKVCache(
-        k_pages=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
-        v_pages=tuple(jnp.zeros(shape, dtype) for _ in range(L)),
+        k_pages=tuple(pool(shape) for _ in range(L)),
+        v_pages=tuple(pool(shape) for _ in range(L)),
         block_tables=tables, lengths=lengths, rope_len=rope_len,
     )
 
@@ -176,7 +204,11 @@ def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLate
 def kernel_view(cache: PagedKVCache | PagedLatentCache, num_new: jax.Array, mode: KernelMode,
                 windows: tuple[int | None, ...]) -> PagedKernelCache:
     """``cache`` as a step on the kernels reads it (``mode`` resolved, not reference; ``windows``:
-    each layer's sliding window)."""
+    each layer's sliding window). The kernels read unquantized pages only."""
+    first = cache.k_pages[0] if isinstance(cache, PagedKVCache) else cache.latent_pages[0]
+    if isinstance(first, QuantizedArray):
+        raise ValueError(f"the {mode.value} kernels read unquantized pages, but these are {first.fmt.value}; "
+                         "serve a quantized cache on the reference path")
     if isinstance(cache, PagedKVCache):
         pages = tuple(zip(cache.k_pages, cache.v_pages))
     elif cache.index_key_pages is None:

@@ -173,9 +173,11 @@ def test_chunked_prefill_and_prefix_hit_on_kernels(family):
         np.testing.assert_allclose(out.logprobs, ref.logprobs, **LOGPROB_TOL)
 
 
-def test_quantized_kv_cache_is_refused(tiny_engine):
-    """The paged cache is not quantized: an engine loaded with a quantized KV cache is refused
-    rather than served at another precision than asked."""
+def test_quantized_kv_cache_serves_on_reference(tiny_engine):
+    """The kernels read unquantized pages: an engine loaded with a quantized KV cache serves on the
+    reference path over quantized pages (``auto``), and an explicit kernel mode is refused naming
+    both (tests/test_paged_quant.py checks what it serves)."""
     engine = Engine(tiny_engine.config, tiny_engine.weights, kv_cache="int8")
-    with pytest.raises(GenerationError, match="kv_cache=int8"):
-        ServingEngine(engine, SERVING)
+    assert ServingEngine(engine, SERVING).config.kernels is KernelMode.REFERENCE
+    with pytest.raises(GenerationError, match="kernels=pallas_interpret .*kv_cache=int8"):
+        ServingEngine(engine, dataclasses.replace(SERVING, kernels="pallas_interpret"))
