@@ -24,11 +24,10 @@ import dayzero.kernels.mode as kernel_mode_module
 from dayzero.engine import Engine, GenerationError
 from dayzero.engine.serving import ServingConfig, ServingEngine
 from dayzero.kernels import KernelMode
-from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view
 from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, dequantized, quantize
 from dayzero.model.transformer import NewKV
-from dayzero.model.weights import abstract_weights, init_weights
+from tests.serving_models import FAMILIES, prompt, random_engine
 
 # One slot (the second request then hits the first's cached prefix), chunks of 16, context 64.
 CHUNK = 16
@@ -41,36 +40,21 @@ SERVING = ServingConfig(slots=1, page_size=8, num_pages=24, max_context=64, max_
 LOGPROB_TOL = dict(rtol=2e-5, atol=5e-6)
 NEW_TOKENS = 8
 
-BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
-            max_position_embeddings=128, rms_norm_eps=1e-5)
-LATENT = dict(
-    BASE, model_type="deepseek_v3", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
-    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4,
-    num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
-FAMILIES = {
-    "dense": dict(BASE, model_type="llama", num_key_value_heads=2),  # 4 query heads over 2 kv heads
-    "latent": LATENT,
-    "sparse": dict(LATENT, model_type="deepseek_v32", index_topk=8, index_n_heads=16, index_head_dim=32),
-}
+# The families whose caches differ in layout: per-head K/V, latent rows, latent rows + indexer keys.
+QUANT_FAMILIES = ("dense", "latent", "sparse")
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 200, n).tolist()
-
-
-LONG = _prompt(50, 7)  # four chunks of 16
+LONG = prompt(50, 7)  # four chunks of 16
 # The second shares LONG's first 32 tokens (4 full pages: a prefix-cache hit), the third is short.
-PROMPTS = [LONG, LONG[:32] + _prompt(9, 8), _prompt(5, 9)]
+PROMPTS = [LONG, LONG[:32] + prompt(9, 8), prompt(5, 9)]
 
 
 def _engine(family: str, kv_cache: str) -> Engine:
-    config = parse_hf_config(FAMILIES[family])
-    # Weights of scale 0.2 give O(1) logits, so agreement means something.
-    return Engine(config, init_weights(abstract_weights(config), jax.random.key(0), scale=0.2), kv_cache=kv_cache)
+    return random_engine(FAMILIES[family], kv_cache)
 
 
 @pytest.mark.parametrize("kv_cache", ["int8", "fp8"])
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", QUANT_FAMILIES)
 def test_served_quantized_pages_match_contiguous_cache(family, kv_cache, monkeypatch):
     """Greedy tokens and logprobs of three requests (chunked prefill, a prefix-cache hit, a short
     one) served over quantized pages equal ``Engine.generate``'s over the quantized contiguous cache."""
@@ -117,7 +101,7 @@ def test_pool_bytes(kv_cache):
     }
     unquantized = {"dense": L * 2 * K * P * page * H * 4, "latent": L * P * page * C * 4,
                    "sparse": L * P * page * (C + J) * 4}
-    for family in FAMILIES:
+    for family in QUANT_FAMILIES:
         assert _pool_bytes(family, kv_cache) == expected[family], family
         assert _pool_bytes(family, "none") == unquantized[family], family
 

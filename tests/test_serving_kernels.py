@@ -23,9 +23,8 @@ import pytest
 from dayzero.engine import Engine, GenerationError
 from dayzero.engine.serving import ServingConfig, ServingEngine
 from dayzero.kernels import KernelError, KernelMode
-from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.transformer import forward
-from dayzero.model.weights import abstract_weights, init_weights
+from tests.serving_models import DSA, FAMILIES, LATENT, prompt, random_engine
 
 # Context 64 (tables 8 pages of 8: one width, fewer compilations), chunks of 16 or 32 tokens, 4 decode slots.
 SERVING = ServingConfig(slots=4, page_size=8, num_pages=40, max_context=64, max_chunk=32, min_chunk=16,
@@ -33,12 +32,8 @@ SERVING = ServingConfig(slots=4, page_size=8, num_pages=40, max_context=64, max_
 LOGPROB_TOL = dict(rtol=1e-4, atol=2e-5)
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 200, n).tolist()
-
-
 # Five requests over four slots: one waits, then joins as another leaves. Lengths cross pages.
-PROMPTS = [_prompt(n, 50 + n) for n in (5, 30, 17, 1, 9)]
+PROMPTS = [prompt(n, 50 + n) for n in (5, 30, 17, 1, 9)]
 NEW = [6, 4, 9, 7, 3]
 
 
@@ -60,16 +55,6 @@ def _assert_same(engine: Engine, requests: int = len(PROMPTS), slots: int = 4) -
         np.testing.assert_allclose(out.logprobs, ref.logprobs, **LOGPROB_TOL)
 
 
-def _random_engine(hf_config: dict) -> Engine:
-    config = parse_hf_config(hf_config)
-    # Weights of scale 0.2 give O(1) logits, so agreement means something.
-    return Engine(config, init_weights(abstract_weights(config), jax.random.key(0), scale=0.2))
-
-
-BASE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
-            max_position_embeddings=128, rms_norm_eps=1e-5)
-
-
 def test_dense_kernel_decode_matches_reference(tiny_engine):
     """The tiny llama (4 query heads over 2 kv heads)."""
     _assert_same(tiny_engine)
@@ -77,20 +62,13 @@ def test_dense_kernel_decode_matches_reference(tiny_engine):
 
 def test_sliding_window_kernel_decode_matches_reference():
     """A window of 8 positions, shorter than most of the sequences: the kernel's window mask."""
-    _assert_same(_random_engine(dict(BASE, model_type="mistral", num_key_value_heads=2, sliding_window=8)),
+    _assert_same(random_engine(FAMILIES["window"]),
                  requests=3, slots=2)
-
-
-LATENT = dict(
-    BASE, model_type="deepseek_v3", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=32,
-    qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=16, first_k_dense_replace=2, n_routed_experts=4,
-    num_experts_per_tok=2, moe_intermediate_size=32, n_group=1, topk_group=1)
-DSA = dict(LATENT, model_type="deepseek_v32", index_topk=8, index_n_heads=16, index_head_dim=32)
 
 
 def test_latent_kernel_decode_matches_reference():
     """Multi-head latent attention (DeepSeek-V3 layout): the latent pages, absorbed queries."""
-    _assert_same(_random_engine(LATENT), requests=3, slots=2)
+    _assert_same(random_engine(LATENT), requests=3, slots=2)
 
 
 def test_kernel_decode_writes_the_same_pages(tiny_engine):
@@ -126,15 +104,7 @@ def test_pallas_on_cpu_is_refused(tiny_engine):
 def test_sparse_kernel_serving_matches_reference():
     """DeepSeek-V3.2 sparse attention (top-8 of up to 36 tokens): the indexer's picks read from
     the pages by ``sparse_attention``, prefill and decode."""
-    _assert_same(_random_engine(DSA), requests=3, slots=2)
-
-
-FAMILIES = {
-    "dense": dict(BASE, model_type="llama", num_key_value_heads=2),
-    "window": dict(BASE, model_type="mistral", num_key_value_heads=2, sliding_window=8),
-    "latent": LATENT,
-    "sparse": DSA,
-}
+    _assert_same(random_engine(DSA), requests=3, slots=2)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -142,7 +112,7 @@ def test_first_prefill_on_kernels_matches_reference(family):
     """``forward`` with nothing cached and a kernel mode (flash, or sparse over the indexer's
     picks): the logits of every real token and the keys/values to cache match the reference,
     in a batch of ragged rows (24 and 13 real tokens of 24)."""
-    engine = _random_engine(FAMILIES[family])
+    engine = random_engine(FAMILIES[family])
     tokens = jnp.asarray(np.random.default_rng(1).integers(0, 200, (2, 24)), jnp.int32)
     num_new = jnp.array([24, 13], jnp.int32)
     runs = [forward(engine.weights, engine.config, tokens, None, num_new, all_logits=True, kernels=mode)
@@ -159,9 +129,9 @@ def test_chunked_prefill_and_prefix_hit_on_kernels(family):
     """A 50-token prompt prefilled in chunks of 16 (the first on the flash or sparse kernel, the
     later ones reading the pages in place), then a second request whose first 32 tokens hit the
     prefix cache: the same tokens and logprobs as the reference path."""
-    engine = _random_engine(FAMILIES[family])
-    long = _prompt(50, 7)
-    prompts, new = [long, long[:32] + _prompt(9, 8)], [8, 6]
+    engine = random_engine(FAMILIES[family])
+    long = prompt(50, 7)
+    prompts, new = [long, long[:32] + prompt(9, 8)], [8, 6]
     config = dataclasses.replace(SERVING, max_chunk=16, slots=1)
     outs = {}
     for kernels in ("reference", "pallas_interpret"):
