@@ -35,6 +35,7 @@ from dayzero.model.transformer import LatentCache, init_cache
 from tests.hf_helpers import (
     MIN_ROUTER_GAP, REL_TOL, all_logits, assert_change_is_effective, assert_logits_match, assert_same_weights,
     assert_steps_match_full, convert_case, copy_hf_checkpoint, greedy_vs_hf, hf_greedy, hf_logits, hf_model, random_ids,
+    within_moe_gates,
 )
 
 LONG, SHORT, NEW, PREFILL = 500, 20, 32, 480
@@ -170,8 +171,9 @@ def test_mscale_and_interleave_are_effective(case, change):
 ], indirect=["case"])
 def test_quantized_model_against_hf(case, scheme, kv, quantized_vs_hf):
     """Quantized weights or latent cache against HF fp32: KL over the 500-token prompt and greedy
-    agreement over HF's 32 tokens, within conftest.MOE_GATES (bounds justified there)."""
-    quantized_vs_hf(case, scheme, kv, SHORT, NEW)
+    agreement over HF's 32 tokens, within tests.hf_helpers.MOE_GATES (bounds justified there)."""
+    result = quantized_vs_hf(case, scheme, kv, SHORT, NEW)
+    assert within_moe_gates(result, scheme, kv), result
 
 
 # ---- the latent cache ------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from dayzero.model.moe import GroupedMatmul, active_experts, grouped_swiglu, moe
 from dayzero.model.weights import MoEWeights
 from tests.hf_helpers import (
     MIN_ROUTER_GAP, assert_change_is_effective, assert_logits_match, assert_same_weights, assert_steps_match_full,
-    convert_case, copy_hf_checkpoint, greedy_vs_hf, hf_model, random_ids,
+    convert_case, copy_hf_checkpoint, greedy_vs_hf, hf_model, random_ids, within_moe_gates,
 )
 
 LONG, SHORT, NEW, PREFILL = 500, 20, 32, 480
@@ -154,8 +154,9 @@ SLOW = pytest.mark.slow
 ], indirect=["case"])
 def test_quantized_model_against_hf(case, scheme, kv, quantized_vs_hf):
     """Quantized weights or KV cache against HF fp32: KL over the 500-token prompt and greedy
-    agreement over HF's 32 tokens, within conftest.MOE_GATES (bounds justified there)."""
-    quantized_vs_hf(case, scheme, kv, SHORT, NEW)
+    agreement over HF's 32 tokens, within tests.hf_helpers.MOE_GATES (bounds justified there)."""
+    result = quantized_vs_hf(case, scheme, kv, SHORT, NEW)
+    assert within_moe_gates(result, scheme, kv), result
 
 
 # ---- module-level parity: router and MoE block ----------------------------------------------------
