@@ -55,11 +55,17 @@ def page_slots(block_tables: jax.Array, lengths: jax.Array, num_new: jax.Array, 
     ``mode="drop"`` skips them (they must not land in a page another row owns).
     """
     positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-    index = positions // page_size
-    W = block_tables.shape[1]
-    pages = jnp.take_along_axis(block_tables, jnp.minimum(index, W - 1), axis=1)
-    real = (jnp.arange(T)[None, :] < num_new[:, None]) & (index < W)
+    pages = page_of(block_tables, positions, page_size)
+    real = (jnp.arange(T)[None, :] < num_new[:, None]) & (positions // page_size < block_tables.shape[1])
     return jnp.where(real, pages, num_pages), positions % page_size
+
+
+def page_of(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """The page holding each position of ``positions`` [B, ...] in its row's table [B,W]
+    (positions past the table read its last entry; callers mask them)."""
+    B, W = block_tables.shape
+    index = jnp.minimum(positions // page_size, W - 1).reshape(B, -1)
+    return jnp.take_along_axis(block_tables, index, axis=1).reshape(positions.shape)
 
 
 def write_head_rows(pool: jax.Array | QuantizedArray, rows: jax.Array, pages: jax.Array,
@@ -179,9 +185,7 @@ class PagedLayer:
         indices, visible = select(cached_keys)
         S, page = cached_keys.shape[1], pool.shape[1]
         positions = jnp.where(indices < S, indices, self.lengths[:, None, None] + indices - S)
-        table = jnp.minimum(positions // page, self.block_tables.shape[1] - 1)
-        pages = jnp.take_along_axis(self.block_tables[:, None, :], table, axis=2)
-        slots = pages * page + positions % page
+        slots = page_of(self.block_tables, positions, page) * page + positions % page
         out = sparse_attention(q.astype(pool.dtype), pool.reshape(-1, pool.shape[-1]), _picks(slots, visible),
                                value_dim=value_dim, sm_scale=1.0, mode=self.mode)
         return out.astype(q.dtype), (pool, key_pool)
