@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.model.config import AttentionKind, DSAConfig, Family, MLAConfig, ModelConfig, RopeConfig
-from dayzero.model.transformer import forward, init_cache
+from dayzero.model.transformer import forward
+from dayzero.model.cache import init_cache
 from dayzero.model.weights import abstract_weights, init_weights
 
 

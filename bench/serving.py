@@ -51,7 +51,8 @@ from dayzero.model.hf_config import load_hf_config
 from dayzero.model.paged_cache import init_paged_cache
 from dayzero.model.quant import KVQuant
 from dayzero.model.weights import abstract_weights, init_weights
-from dayzero.model.transformer import append_to_cache, forward, init_cache
+from dayzero.model.transformer import forward
+from dayzero.model.cache import append_to_cache, init_cache
 
 PAGE = 16
 LONG_NEW = 16
@@ -129,7 +130,7 @@ def width_sweep(engine: Engine, widths: list[int], kernels: str, slots: int = 8,
     for width in widths:
         length = width * PAGE - 1
         lengths = np.full(slots, length, np.int32)
-        paged = lambda: np.asarray(server.steps.run(tokens, ones, lengths, tables, width))  # noqa: E731
+        paged = lambda: np.asarray(server.steps.run_step(tokens, ones, lengths, tables, width))  # noqa: E731
         cache = [init_cache(engine.config, slots, width * PAGE, engine.weights.embed.dtype).replace(
             lengths=jnp.full((slots,), length, jnp.int32))]
 

@@ -18,7 +18,7 @@ from dayzero.engine import peers
 from dayzero.engine.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
 from dayzero.engine.sampling import SamplingParams
 from dayzero.model.quant import KVQuant, describe_weights, stored_bytes
-from dayzero.model.transformer import init_cache
+from dayzero.model.cache import init_cache
 from dayzero.engine.soak import soak
 
 
@@ -155,12 +155,13 @@ def run_bench(args: argparse.Namespace, placement=None) -> int:
     if args.new_tokens < 2:
         raise BenchError("--new-tokens must be >= 2 to measure decoding")
     peer_map = make_peers(args)
-    engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
+    engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache,
+                         kernels=args.kernels)
     runs = _runs(engine, args, peer_map, prompt_lens, batches)
     result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend(),
               "mesh": None if placement is None else placement.axes,
               "quantize": describe_weights(engine.weights), "weights_mb": stored_bytes(engine.weights) / 2**20,
-              "kv_cache": engine.kv_cache.value}
+              "kv_cache": engine.kv_cache.value, "run": engine.run.describe()}
     if args.soak:
         result["soak"] = soak(engine, args.soak_len)
     if args.plot:

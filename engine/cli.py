@@ -30,6 +30,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dayzero.engine.launch import LaunchError
     from dayzero.engine.peers import PeerError
     from dayzero.engine.plot import PlotError
+    from dayzero.engine.runtime import RunConfigError
     from dayzero.engine.sampling import SamplingError
     from dayzero.engine.soak import SoakError
     from dayzero.engine.tokenizer import TokenizerError
@@ -40,7 +41,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
-        QuantError,
+        QuantError, RunConfigError,
         BenchError, PeerError, PlotError, SoakError,
         VerifyError, CheckError, LaunchError, PlanError,
     )
@@ -58,6 +59,10 @@ def _add_process_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_quant_args(p: argparse.ArgumentParser) -> None:
+    """The run options ``generate`` and ``bench`` share: weight and KV storage, kernels."""
+    p.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto",
+                   help="attention: reference (XLA), pallas (GPU), pallas_interpret (same kernels, any platform); "
+                        "auto: the platform's choice")
     p.add_argument("--quantize", metavar="auto|" + CONVERT_QUANT, default="auto",
                    help="quantize a float model's weights at load (auto: the platform's fastest, fp32 on CPU)")
     p.add_argument("--kv-cache", metavar=KV_CACHE, default="auto",
@@ -75,56 +80,6 @@ def _placement(text: str | None):
     from dayzero.sharding.placement import placement_from_text
 
     return placement_from_text(text)
-
-
-def _resolve_kernels(choice: str, mesh: str | None, kv_cache: str):
-    """The concrete ``--kernels`` mode generation runs, and its ``describe`` record for --json.
-
-    A mode that cannot run here is the kernels' one-line error. The kernels serve one device
-    and read unquantized pages: with --mesh or a quantized --kv-cache, ``auto`` means reference
-    and an explicit kernel mode is refused.
-    """
-    from dayzero.kernels import KernelError, KernelMode, describe
-    from dayzero.model.quant import KVQuant, parse_kv_quant
-
-    try:
-        info = describe(choice)
-    except KernelError as e:
-        raise CommandError(str(e)) from None
-    mode = KernelMode(info["resolved"])
-    if mode is KernelMode.REFERENCE:
-        return mode, info
-    obstacle = None
-    if mesh is not None:
-        obstacle = f"runs on one device, not on --mesh {mesh}; drop --mesh"
-    elif parse_kv_quant(kv_cache) is not KVQuant.NONE:
-        obstacle = f"reads unquantized KV pages, not --kv-cache {kv_cache}; use --kv-cache none"
-    if obstacle is None:
-        return mode, info
-    if choice != "auto":
-        raise CommandError(f"--kernels {choice} {obstacle} or use --kernels reference")
-    return KernelMode.REFERENCE, {**info, "resolved": "reference", "backend": "xla"}
-
-
-def _generate_on_kernels(engine, prompt, args: argparse.Namespace, sampling, mode, on_text):
-    """One request through the paged serving engine, whose prefill and decode steps attend on
-    the kernels (``Engine.generate`` runs the contiguous cache's reference attention); its text
-    goes to ``on_text(row, text)`` as tokens come, when given."""
-    from dayzero.engine.serving import ServingConfig, ServingEngine
-    from dayzero.engine.tokenizer import StreamDecoder
-
-    ids = engine.prompt_ids(prompt, args.chat)
-    engine.check_length(ids, args.max_new_tokens)
-    context = max(2, min(len(ids) + args.max_new_tokens, engine.config.max_position_embeddings))
-    server = ServingEngine(engine, ServingConfig(slots=1, max_context=context, kernels=mode))
-    request = server.submit(ids, max_new_tokens=args.max_new_tokens, sampling=sampling, logprobs=args.logprobs)
-    decoder = StreamDecoder(engine.tokenizer) if on_text and engine.tokenizer else None
-    for event in server.stream():
-        if decoder:
-            on_text(0, decoder.push(event.token))
-    if decoder:
-        on_text(0, decoder.flush())
-    return server.completion(request)
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -164,7 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logprobs", action="store_true", help="with --json, add each token's log-probability")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--kernels", choices=KERNEL_CHOICES, default="auto")
     _add_quant_args(g)
     _add_mesh_arg(g)
     _add_process_args(g)
@@ -244,35 +198,38 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``dayzero generate``."""
     from dayzero.engine.generate import Engine
+    from dayzero.engine.runtime import kernels_record
     from dayzero.engine.sampling import SamplingParams
-    from dayzero.kernels import KernelMode
 
     placement = _placement(args.mesh)
-    kernels, kernels_info = _resolve_kernels(args.kernels, args.mesh, args.kv_cache)
     if args.logprobs and not args.json:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
-    engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache)
+    engine = Engine.load(args.model, placement=placement, **_run_options(args))
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
-    if kernels is not KernelMode.REFERENCE:
-        result = _generate_on_kernels(engine, prompt, args, sampling, kernels, stream)
-    else:
-        result = engine.generate(
-            prompt,
-            max_new_tokens=args.max_new_tokens,
-            sampling=sampling,
-            chat=args.chat,
-            logprobs=args.logprobs,
-            on_text=stream,
-        )
+    result = engine.generate(
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        chat=args.chat,
+        logprobs=args.logprobs,
+        on_text=stream,
+    )
     if args.json:
         out = result.to_json()
-        out["kernels"] = kernels_info
+        out["kernels"] = kernels_record(engine.run)
+        out["run"] = engine.run.describe()
         print(json.dumps(out))
     else:
         print()
     return 0
+
+
+def _run_options(args: argparse.Namespace) -> dict:
+    """The run-configuration options of ``generate`` / ``bench`` as ``Engine.load`` takes them
+    (resolved and checked there, in ``dayzero.engine.runtime``)."""
+    return dict(quantize=args.quantize, kv_cache=args.kv_cache, kernels=args.kernels)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

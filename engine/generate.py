@@ -19,14 +19,18 @@ import numpy as np
 
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
+from dayzero.engine.runtime import RunConfig, default_dtype, resolve_run, weights_storage
+from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
-from dayzero.model.moe_parallel import check_expert_parallel
 from dayzero.model.parallel import Parallel
-from dayzero.model.quant import KVQuant, QuantConfig, QuantError, WeightQuant, parse_kv_quant, parse_weight_quant
-from dayzero.model.transformer import KVCache, append_to_cache, cache_specs, forward, init_cache
-from dayzero.model.weights import Weights, abstract_weights, quantize_weights
-from dayzero.sharding.distributed import MeshError
+from dayzero.model.quant import KVQuant, WeightQuant
+from dayzero.model.transformer import forward
+from dayzero.model.cache import KVCache, append_to_cache, cache_specs, init_cache
+from dayzero.model.weights import (Weights, abstract_weights, aligned_weights, axis_sizes, mesh_aligned_specs,
+                                   quantize_weights)
 from dayzero.sharding.placement import Placement
+
+__all__ = ["Completion", "Engine", "GenerationError", "default_dtype", "engine_step", "weight_specs"]
 
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_LEN = 256
@@ -82,38 +86,16 @@ def check_max_new_tokens(max_new_tokens) -> None:
         raise GenerationError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
 
 
-def default_dtype() -> jnp.dtype:
-    """fp32 on CPU (XLA:CPU bf16 matvecs are ~20x slower), bf16 on accelerators."""
-    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-
-
-def placed_weight_specs(config: ModelConfig, untied_head: bool):
-    """The abstract weight tree as the engine holds it (with the [D,V] head copy if ``untied_head``)."""
+def weight_specs(config: ModelConfig, run: RunConfig, untied_head: bool):
+    """The abstract weight tree as an engine with ``run`` holds it: quantized as ``run`` says,
+    with each block scale aligned to its shards on ``run``'s mesh, and with the [D,V] head copy
+    if ``untied_head``."""
     if untied_head and config.tie_word_embeddings:
         config = dataclasses.replace(config, tie_word_embeddings=False)
-    return abstract_weights(config)
-
-
-def _check_unquantized_on_mesh(stored: WeightQuant, scheme: WeightQuant) -> None:
-    """Quantized weights are not laid out on meshes yet: refuse them rather than mis-shard."""
-    quantized = stored if stored is not WeightQuant.NONE else scheme
-    if quantized is not WeightQuant.NONE:
-        raise QuantError(
-            f"quantized weights ({quantized.value}) cannot be placed on a multi-device mesh yet; "
-            "run them on one device (omit --mesh) or load float weights"
-        )
-
-
-def check_placement(config: ModelConfig, placement: Placement) -> None:
-    """Raise MeshError when ``placement``'s mesh cannot run this model."""
-    ep = placement.axes["expert"]
-    if ep > 1 and config.moe is None:
-        raise MeshError(f"--mesh expert={ep} needs a Mixture-of-Experts model and this one has no experts; use tensor={ep}")
-    if ep > 1:
-        try:
-            check_expert_parallel(config.moe.num_experts, ep)
-        except ValueError as e:
-            raise MeshError(str(e)) from None
+    specs = abstract_weights(config, run.quant)
+    if run.placement is not None:
+        specs = mesh_aligned_specs(specs, axis_sizes(run.placement))
+    return specs
 
 
 def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights, tokens, num_new,
@@ -133,50 +115,45 @@ def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights
             (next_tokens, logprobs), parallel.placement.replicated()
         )
     return next_tokens, logprobs, new
-def _quantized_at_load(config: ModelConfig, weights: Weights, scheme: WeightQuant, asked,
-                       stored: WeightQuant, model_dir: Path) -> Weights:
-    """``weights`` quantized with ``scheme`` if they are float; a checkpoint stored quantized
-    (as ``stored``) is kept as stored when no scheme (or auto, or its own) was asked for."""
-    if stored is not WeightQuant.NONE:
-        if asked not in (None, "auto") and scheme is not stored:
-            raise QuantError(
-                f"{model_dir} is stored quantized as {stored.value}; load it without --quantize "
-                f"(or with {stored.value}), or convert the source again with --quantize {scheme.value}"
-            )
-        return weights
-    if scheme is WeightQuant.NONE:
-        return weights
-    return quantize_weights(weights, abstract_weights(config, QuantConfig(scheme)))
 
 
 class Engine:
-    """A loaded model with compiled prefill/decode steps.
+    """A loaded model with compiled prefill/decode steps, run as its :class:`RunConfig` says.
 
-    With a :class:`Placement` (a mesh and its rules) the weights and caches are laid out over the
-    mesh by their logical axes, host inputs are replicated over it, every step's outputs are
-    pinned to fixed shardings (so decode steps never recompile), and MoE blocks dispatch tokens
-    to their experts' devices when the mesh has ``expert`` > 1. Without one, everything sits on
-    the default device (the single-device path).
+    The run configuration (``engine.run``: dtype, weight and KV-cache storage, kernels, mesh, MoE
+    dispatch) is resolved once, when the engine is built (``dayzero.engine.runtime``). With a
+    placement (a mesh and its rules) the weights and caches are laid out over the mesh by their
+    logical axes, host inputs are replicated over it, every step's outputs are pinned to fixed
+    shardings (so decode steps never recompile), and MoE blocks dispatch tokens to their experts'
+    devices when the mesh has ``expert`` > 1. Without one, everything sits on the default device.
+    With a kernel mode, generation runs on the paged cache, whose steps attend on the Pallas
+    kernels (``dayzero.engine.serving``); the reference mode uses the contiguous cache.
 
     >>> engine = Engine.load("converted/smollm2")            # doctest: +SKIP
     >>> engine.generate("Hello", max_new_tokens=8).text      # doctest: +SKIP
     """
 
     def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None,
-                 placement: Placement | None = None, kv_cache: KVQuant | str | None = KVQuant.NONE):
+                 placement: Placement | None = None, kv_cache: KVQuant | str | None = KVQuant.NONE,
+                 kernels: KernelMode | str | None = KernelMode.REFERENCE, *, run: RunConfig | None = None):
+        """An engine over ``weights`` (float or quantized, on one device or anywhere). Without
+        ``run``, the run configuration is resolved from ``placement``, ``kv_cache``, ``kernels``
+        and the weights' own dtype and storage; with one, those three arguments are ignored."""
+        if run is None:
+            stored = weights_storage(weights)
+            run = resolve_run(config, dtype=weights.embed.dtype, quantize=stored.weights, stored=stored,
+                              kv_cache=kv_cache, kernels=kernels, placement=placement)
         self.config = config
-        self.placement = placement
-        self.kv_cache = parse_kv_quant(kv_cache)  # how the KV cache is stored (None/"auto": per platform)
-        if placement is not None:
-            check_placement(config, placement)
+        self.run = run
         if weights.lm_head is None and jax.default_backend() == "cpu":
             # Tied embeddings: XLA:CPU's matvec against the [V,D] embedding took ~6 ms more per
             # SmolLM2 decode step than against a [D,V] copy (34 vs 40 ms), worth V*D more bytes.
             weights = weights.replace(lm_head=self._transposed(weights.embed))
-        if placement is not None:  # a no-op for weights loaded straight into their shardings
-            weights = jax.device_put(weights, placement.shardings(placed_weight_specs(config, weights.lm_head is not None)))
+        if run.placement is not None:  # a no-op for weights loaded straight into their shardings
+            specs = weight_specs(config, run, weights.lm_head is not None)
+            weights = jax.device_put(aligned_weights(weights, specs), run.placement.shardings(specs))
         self.weights = weights
-        self._parallel = None if placement is None else Parallel(placement)
+        self._parallel = run.parallel
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else config.eos_token_ids)
         self.compile_s = 0.0  # seconds spent compiling steps so far
@@ -184,41 +161,55 @@ class Engine:
         self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode",))
         self._decode = jax.jit(self._step_impl, static_argnames=("mode",))
         # On a mesh the written cache is pinned to its layout; one device keeps the plain write.
-        self._append = jax.jit(append_to_cache if placement is None else self._append_on_mesh, donate_argnums=(0,))
+        self._append = jax.jit(append_to_cache if run.placement is None else self._append_on_mesh, donate_argnums=(0,))
         self._compiled: set = set()
+
+    @property
+    def placement(self) -> Placement | None:
+        """The mesh and rules the engine runs on (None: one device)."""
+        return self.run.placement
+
+    @property
+    def kv_cache(self) -> KVQuant:
+        """How the KV cache is stored."""
+        return self.run.kv_cache
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None, dtype=None, progress: bool = True,
              placement: Placement | None = None, quantize: WeightQuant | str | None = None,
-             kv_cache: KVQuant | str | None = None) -> "Engine":
+             kv_cache: KVQuant | str | None = None, kernels: KernelMode | str | None = None,
+             capacity_factor: float | None = None, grouped_matmul: str | None = None) -> "Engine":
         """Load a converted model directory (default: the embedded SmolLM2-135M-Instruct).
 
+        Every option is resolved and checked first, together, by
+        ``dayzero.engine.runtime.resolve_run`` (None or "auto": the platform's choice), which
+        raises :class:`~dayzero.engine.runtime.RunConfigError` for a combination that cannot run.
         With a ``placement`` every weight is restored straight into its sharding on that mesh,
         whatever mesh the checkpoint was converted for. ``quantize``: weight quantization
-        applied at load to a float checkpoint (none, int8, fp8, fp8-block, int4; None or "auto":
-        the platform's choice, see ``dayzero.model.quant``). A checkpoint converted with
-        ``--quantize`` is used as stored. ``kv_cache``: none, int8, fp8 or auto/None. Raises
-        :class:`QuantError` for an unknown name or a scheme that differs from the checkpoint's.
+        applied at load to a float checkpoint (none, int8, fp8, fp8-block, int4); a checkpoint
+        converted with ``--quantize`` is used as stored. ``kv_cache``: none, int8 or fp8.
+        ``kernels``: reference, pallas or pallas_interpret. ``capacity_factor`` and
+        ``grouped_matmul``: the expert-parallel MoE dispatch (``dayzero.model.parallel``).
         """
         from dayzero.convert import load_checkpoint
         from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization
         from dayzero.engine.default_model import default_model_dir
 
-        scheme = parse_weight_quant(quantize)
-        kv = parse_kv_quant(kv_cache)
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
-        stored = stored_quantization(read_manifest(model_dir)).weights
+        stored = stored_quantization(read_manifest(model_dir))
+        run = resolve_run(read_config(model_dir), dtype=dtype, quantize=quantize, stored=stored, kv_cache=kv_cache,
+                          kernels=kernels, placement=placement, capacity_factor=capacity_factor,
+                          grouped_matmul=grouped_matmul)
         shardings = None
-        if placement is not None:
-            config = read_config(model_dir)
-            check_placement(config, placement)
-            _check_unquantized_on_mesh(stored, scheme)
-            shardings = placement.shardings(abstract_weights(config))
-        config, weights = load_checkpoint(model_dir, dtype=dtype or default_dtype(), shardings=shardings)
-        weights = _quantized_at_load(config, weights, scheme, quantize, stored, model_dir)
+        if placement is not None:  # restored as stored, then aligned and quantized as the run says
+            shardings = placement.shardings(abstract_weights(read_config(model_dir), stored))
+        config, weights = load_checkpoint(model_dir, dtype=run.dtype, shardings=shardings)
+        if run.quant != stored:
+            weights = quantize_weights(weights, abstract_weights(config, run.quant))
         # A model converted without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        return cls(config, weights, tokenizer, placement, kv_cache=kv)
+        return cls(config, weights, tokenizer, run=run)
+
 
     # ---- placement -------------------------------------------------------------------------
 
@@ -340,8 +331,14 @@ class Engine:
         """Yield ``(tokens [B], logprobs [B])`` for each generated position of a batch.
 
         No EOS handling and no input checks (``generate`` does both): the caller stops
-        consuming when it has what it needs. Rows may have different prompt lengths.
+        consuming when it has what it needs. Rows may have different prompt lengths. With a
+        kernel mode the rows are served on the paged cache (``serving.stream_on_pages``).
         """
+        if self.run.on_kernels:  # the kernels attend over pages: generate as a paged server does
+            from dayzero.engine.serving import stream_on_pages  # serving imports this module
+
+            yield from stream_on_pages(self, ids, max_new_tokens, params)
+            return
         lengths = np.array([len(r) for r in ids], np.int32)
         mode, rows = batch_sampling(params)
         rows = rows if self.placement is None else self._host(rows)

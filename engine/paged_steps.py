@@ -34,12 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.generate import GenerationError, bucket
+from dayzero.engine.runtime import RunConfig, resolve_run, with_kernels
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
+from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
-from dayzero.kernels import KernelMode, resolve_mode
-from dayzero.kernels.mode import parse_mode
-from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, with_written
-from dayzero.model.quant import KVQuant
+from dayzero.model.kernel_attention import HeadSplit
+from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, paged_cache_specs, with_written
+from dayzero.model.parallel import Parallel
 from dayzero.model.transformer import forward
 from dayzero.model.weights import Weights
 
@@ -55,8 +56,9 @@ class ServingConfig:
     max_chunk / min_chunk: prefill tokens per step (powers of two). chunk_budget: cap on
     chunk tokens x attended positions per prefill step (bounds its attention memory).
     min_table_pages: narrowest block table read (a power of two). prefix_cache: reuse the
-    pages of a shared prompt prefix. kernels: how steps attend (``--kernels``; resolved for the
-    platform by :meth:`resolve`): reference gathers each row's pages; pallas and
+    pages of a shared prompt prefix. kernels: how steps attend (None: as the engine's run
+    configuration says; else resolved and checked against it by
+    ``dayzero.engine.runtime.with_kernels``): reference gathers each row's pages; pallas and
     pallas_interpret run a first prefill chunk on the flash (or sparse) kernel and read the pages
     in place with the paged (or sparse) kernels in every later step, prefill chunk or decode
     (``dayzero.model.kernel_attention``).
@@ -71,7 +73,7 @@ class ServingConfig:
     chunk_budget: int = 1 << 21
     min_table_pages: int = 4
     prefix_cache: bool = True
-    kernels: KernelMode | str = KernelMode.AUTO
+    kernels: KernelMode | str | None = None
 
     def __post_init__(self):
         checks = [
@@ -89,12 +91,11 @@ class ServingConfig:
             if not ok:
                 raise GenerationError(f"{name}={getattr(self, name)!r} is invalid; it must be {expected}")
 
-    def resolve(self, model: ModelConfig, kv_cache: KVQuant = KVQuant.NONE) -> "ServingConfig":
-        """A copy with every default filled in for ``model`` whose pages are stored as
-        ``kv_cache`` says; checks the pool can hold one sequence of ``max_context`` tokens.
-
-        The kernels read unquantized pages only: with a quantized ``kv_cache``, ``auto`` means
-        reference and an explicit kernel mode is refused."""
+    def resolve(self, model: ModelConfig, run: RunConfig | None = None) -> "ServingConfig":
+        """A copy with every default filled in for ``model`` run as ``run`` says (default: the
+        platform's choices on one device); the kernels are the run's unless this config names
+        its own, checked against the rest of the run. Checks the pool can hold one sequence of
+        ``max_context`` tokens."""
         context = self.max_context or model.max_position_embeddings
         if context > model.max_position_embeddings:
             raise GenerationError(
@@ -106,20 +107,8 @@ class ServingConfig:
             raise GenerationError(
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
-        return dataclasses.replace(self, max_context=context, num_pages=pages,
-                                   kernels=self._resolved_kernels(kv_cache))
-
-    def _resolved_kernels(self, kv_cache: KVQuant) -> KernelMode:
-        """The concrete kernel mode for pages stored as ``kv_cache`` (see :meth:`resolve`)."""
-        mode = parse_mode(self.kernels)
-        if kv_cache is KVQuant.NONE or mode is KernelMode.REFERENCE:
-            return resolve_mode(mode)
-        if mode is KernelMode.AUTO:
-            return KernelMode.REFERENCE
-        raise GenerationError(
-            f"kernels={mode.value} reads unquantized pages, but the engine's KV cache is "
-            f"kv_cache={kv_cache.value}; serve it with kernels='reference' (or 'auto'), or load the "
-            "engine with kv_cache='none'")
+        kernels = with_kernels(run or resolve_run(model), model, self.kernels).kernels
+        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=kernels)
 
     # ---- shape policy (on a resolved config) ----------------------------------------------------
 
@@ -182,25 +171,36 @@ def _pow2(n: int) -> bool:
 
 
 # Module-level jits, so that serving engines over the same model and shapes share compilations.
-@functools.partial(jax.jit, static_argnames=("mode",))
-def _sample_rows(logits, temperature, top_k, top_p, min_p, keys, steps, mode: SamplingMode):
+# On a mesh, ``layout`` (static) pins what a step returns: sampled tokens replicated (every process
+# reads them back), the written pool in the sharding it was made with (so no step recompiles).
+@functools.partial(jax.jit, static_argnames=("mode", "layout"))
+def _sample_rows(logits, temperature, top_k, top_p, min_p, keys, steps, mode: SamplingMode, layout=None):
     rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(keys))
-    return sample(logits, rows, steps, mode)
+    return _pinned(sample(logits, rows, steps, mode), layout)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels"))
-def _forward_logits(weights, tokens, num_new, cache, *, config, kernels=KernelMode.REFERENCE):
-    return forward(weights, config, tokens, cache, num_new, kernels=kernels)
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel"))
+def _forward_logits(weights, tokens, num_new, cache, *, config, kernels=KernelMode.REFERENCE, parallel=None):
+    return forward(weights, config, tokens, cache, num_new, kernels=kernels, parallel=parallel)
 
 
-_append = jax.jit(append_to_pages, donate_argnums=(0,))
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
+def _append(pool, new, layout=None):
+    return _pinned(append_to_pages(pool, new), layout)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("view",))
-def _forward_in_place(weights, tokens, view, *, config):
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel", "layout"), donate_argnames=("pool",))
+def _forward_in_place(weights, tokens, pool, num_new, *, config, kernels, parallel=None, layout=None):
     # One jit for the forward and the page writes, with the pool donated: each layer writes the
     # new tokens into its pages before the kernel reads them (see dayzero.model.kernel_attention).
-    return forward(weights, config, tokens, view, view.num_new)
+    view = kernel_view(pool, num_new, kernels, tuple(config.sliding_windows), HeadSplit.of(parallel))
+    logits, view = forward(weights, config, tokens, view, num_new, parallel=parallel)
+    return logits, _pinned(with_written(pool, view), layout)
+
+
+def _pinned(tree, layout):
+    """``tree`` constrained to ``layout`` (a matching tree of shardings), or as it is (None)."""
+    return tree if layout is None else jax.lax.with_sharding_constraint(tree, layout)
 
 
 @dataclasses.dataclass
@@ -240,14 +240,27 @@ def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
 
 
 class PagedSteps:
-    """The page pool on the device and the compiled forward, page write and sampling steps."""
+    """The page pool on the device(s) and the compiled forward, page write and sampling steps.
 
-    def __init__(self, config: ModelConfig, weights: Weights, serving: ServingConfig,
-                 kv_cache: KVQuant = KVQuant.NONE):
-        """Steps for ``serving`` (resolved) over a pool whose pages are stored as ``kv_cache``."""
-        self.config, self.weights, self.serving = config, weights, serving
+    On a mesh (``run.placement``) the pool is laid out by its logical axes
+    (``paged_cache_specs``: per-head pages split by kv head), the forward runs with the mesh's
+    hand-written blocks (expert-parallel MoE, split latent attention, the kernels per device),
+    host inputs are replicated over the mesh through ``host`` and every step's outputs are pinned
+    (sampled tokens replicated, the pool in its own layout).
+    """
+
+    def __init__(self, config: ModelConfig, weights: Weights, serving: ServingConfig, run: RunConfig,
+                 host=None):
+        """Steps for ``serving`` (resolved) of a model run as ``run`` says; ``host(value)`` turns
+        host arrays into step inputs (default: ``jnp.asarray``, one device)."""
+        self.config, self.weights, self.serving, self.run = config, weights, serving, run
+        self._host = host or (lambda value: jax.tree.map(jnp.asarray, value))
+        self.parallel: Parallel | None = run.parallel
+        specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache)
+        self.layout = None if run.placement is None else run.placement.shardings(specs)
+        self.sample_layout = None if run.placement is None else run.placement.replicated()
         self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=weights.embed.dtype,
-                                     kv_quant=kv_cache)
+                                     kv_quant=run.kv_cache, shardings=self.layout)
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
 
     @property
@@ -255,8 +268,8 @@ class PagedSteps:
         """Bytes of the page pool (every layer; a quantized pool's values and scales)."""
         return sum(x.nbytes for x in jax.tree.leaves(self.pool) if x.ndim >= 3)
 
-    def run(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
-            width: int | None) -> jax.Array:
+    def run_step(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
+                 width: int | None) -> jax.Array:
         """Forward ``tokens`` [B,T] (``num_new`` real per row) after each row's ``lengths``
         cached positions, write their keys/values into the pages of ``tables`` [B, full width]
         and return the logits of each row's last real token [B,V] (on the device).
@@ -264,51 +277,49 @@ class PagedSteps:
         ``width``: the table width the attention reads (None: nothing cached, read nothing).
         """
         self.shapes_run.add((*tokens.shape, width))
+        tokens, num_new = self._host(np.asarray(tokens, np.int32)), self._host(np.asarray(num_new, np.int32))
         if self.reads_in_place(width):
-            return self._run_in_place(tokens, num_new, lengths, tables, width)
-        logits, new = _forward_logits(self.weights, *self.forward_args(tokens, num_new, lengths, tables, width),
-                                      config=self.config, kernels=self.serving.kernels)
-        self.pool = _append(self.pool.replace(block_tables=jnp.asarray(tables, jnp.int32),
-                                              lengths=jnp.asarray(lengths, jnp.int32)), new)
+            read = self._with_rows(tables[:, :width], lengths)
+            logits, self.pool = _forward_in_place(self.weights, tokens, read, num_new, config=self.config,
+                                                  kernels=self.serving.kernels, parallel=self.parallel,
+                                                  layout=self.layout)
+            return logits
+        read = None if width is None else self._with_rows(tables[:, :width], lengths)
+        logits, new = _forward_logits(self.weights, tokens, num_new, read, config=self.config,
+                                      kernels=self.serving.kernels, parallel=self.parallel)
+        self.pool = _append(self._with_rows(tables, lengths), new, layout=self.layout)
         return logits
+
+    def _with_rows(self, tables: np.ndarray, lengths: np.ndarray):
+        """The pool with these rows' block tables and lengths, as a step's input."""
+        return self.pool.replace(block_tables=self._host(np.asarray(tables, np.int32)),
+                                 lengths=self._host(np.asarray(lengths, np.int32)))
 
     def reads_in_place(self, width: int | None) -> bool:
         """Whether a step reading ``width`` table pages runs on the paged kernels (any step that
         reads the cache, with a kernel mode) rather than the gathered reference path."""
         return self.serving.kernels is not KernelMode.REFERENCE and width is not None
 
-    def _run_in_place(self, tokens, num_new, lengths, tables, width) -> jax.Array:
-        """``run`` for a step on the paged kernels: forward and page writes in one call."""
-        read = self.pool.replace(block_tables=jnp.asarray(tables[:, :width], jnp.int32),
-                                 lengths=jnp.asarray(lengths, jnp.int32))
-        view = kernel_view(read, jnp.asarray(num_new, jnp.int32), self.serving.kernels,
-                           tuple(self.config.sliding_windows))
-        logits, view = _forward_in_place(self.weights, jnp.asarray(tokens, jnp.int32), view, config=self.config)
-        self.pool = with_written(self.pool, view)
-        return logits
-
     def forward_args(self, tokens, num_new, lengths, tables, width) -> tuple:
-        """(tokens, num_new, cache to read) of the forward call ``run`` makes."""
-        read = None
-        if width is not None:
-            read = self.pool.replace(block_tables=jnp.asarray(tables[:, :width], jnp.int32),
-                                     lengths=jnp.asarray(lengths, jnp.int32))
-        return jnp.asarray(tokens, jnp.int32), jnp.asarray(num_new, jnp.int32), read
+        """(tokens, num_new, cache to read) of the reference path's forward call (``run_step``)."""
+        read = None if width is None else self._with_rows(tables[:, :width], lengths)
+        return self._host(np.asarray(tokens, np.int32)), self._host(np.asarray(num_new, np.int32)), read
 
     def forward_temp_bytes(self, B: int, T: int, width: int | None) -> int:
         """Temporary device memory XLA plans for the forward call of shape (B, T, width): the
         step's working memory beyond weights, pool and outputs."""
         tables = np.zeros((B, self.serving.max_table_pages), np.int32)
         args = self.forward_args(np.zeros((B, T)), np.zeros(B), np.zeros(B), tables, width)
-        compiled = _forward_logits.lower(self.weights, *args, config=self.config).compile()
+        compiled = _forward_logits.lower(self.weights, *args, config=self.config, parallel=self.parallel).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def sample(self, logits: jax.Array, rows: RowParams, steps: np.ndarray, mode: SamplingMode
                ) -> tuple[np.ndarray, np.ndarray]:
         """Tokens [B] and their logprobs [B] for each row, with its own parameters and its
         own ``steps`` (tokens it generated before this one), read back to the host."""
-        tokens, logprobs = _sample_rows(logits, rows.temperature, rows.top_k, rows.top_p, rows.min_p,
-                                        rows.key_data, np.asarray(steps, np.int32), mode=mode)
+        args = self._host((rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data,
+                           np.asarray(steps, np.int32)))
+        tokens, logprobs = _sample_rows(logits, *args, mode=mode, layout=self.sample_layout)
         return np.asarray(tokens), np.asarray(logprobs)
 
     def warmup(self) -> int:
@@ -319,10 +330,10 @@ class PagedSteps:
         s, calls = self.serving, 0
         full = np.zeros((1, s.max_table_pages), np.int32)
         for T, W in s.prefill_shapes():
-            self.run(np.zeros((1, T)), np.zeros(1), np.zeros(1), full, W)
+            self.run_step(np.zeros((1, T)), np.zeros(1), np.zeros(1), full, W)
             calls += 1
         for B, W in itertools.product(s.decode_batches(), s.table_widths()):
-            self.run(np.zeros((B, 1)), np.zeros(B), np.zeros(B), np.zeros((B, s.max_table_pages), np.int32), W)
+            self.run_step(np.zeros((B, 1)), np.zeros(B), np.zeros(B), np.zeros((B, s.max_table_pages), np.int32), W)
             calls += 1
         for B, mode in itertools.product(s.decode_batches(), SamplingMode):
             self.sample(jnp.zeros((B, self.config.vocab_size), jnp.float32), RowParams.of([], [], B),

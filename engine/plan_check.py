@@ -20,12 +20,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dayzero.engine.generate import check_placement, engine_step
+from dayzero.engine.generate import engine_step
+from dayzero.engine.runtime import check_placement
 from dayzero.engine.sampling import SamplingMode, SamplingParams, batch_sampling
 from dayzero.model.config import ModelConfig
 from dayzero.model.footprint import DecodeFootprint
 from dayzero.model.parallel import Parallel
-from dayzero.model.transformer import cache_specs
+from dayzero.model.cache import cache_specs
 from dayzero.model.weights import abstract_weights, is_spec, leaf_path, shape_structs
 from dayzero.sharding.placement import Placement, placement_for
 from dayzero.sharding.planner import KVDtype, WeightDtype, Workload, evaluate

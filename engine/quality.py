@@ -23,7 +23,8 @@ import numpy as np
 
 from dayzero.engine.generate import Engine, bucket
 from dayzero.engine.verify import logits_stats
-from dayzero.model.transformer import append_to_cache, forward, init_cache
+from dayzero.model.transformer import forward
+from dayzero.model.cache import append_to_cache, init_cache
 
 CHUNK = 64
 

@@ -107,10 +107,10 @@ class ServingEngine:
 
     def __init__(self, engine: Engine, config: ServingConfig = ServingConfig()):
         self.engine = engine
-        # The pages are stored as the engine's KV cache is (``Engine(kv_cache=)``): quantized
-        # pages keep serving on the reference path (see ``ServingConfig.resolve``).
-        self.config = config.resolve(engine.config, engine.kv_cache)
-        self.steps = PagedSteps(engine.config, engine.weights, self.config, engine.kv_cache)
+        # Run as the engine is (its RunConfig: pages stored as its KV cache, its mesh, its
+        # kernels unless ``config.kernels`` names others; see ``ServingConfig.resolve``).
+        self.config = config.resolve(engine.config, engine.run)
+        self.steps = PagedSteps(engine.config, engine.weights, self.config, engine.run, host=engine._host)
         self.pool = PagePool(self.config.num_pages)
         self.stats = ServingStats()
         self._ids = itertools.count()
@@ -272,7 +272,7 @@ class ServingEngine:
         n = min(T, r.prefill_target - start)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = r.tokens[start : start + n]
-        logits = self.steps.run(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W)
+        logits = self.steps.run_step(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W)
         self._written(r, n)
         self.stats.prefill_tokens += n
         self.stats.prefill_chunks += 1
@@ -291,7 +291,7 @@ class ServingEngine:
         for row, r in enumerate(decoding):
             tokens[row], num_new[row], lengths[row], steps[row] = r.tokens[-1], 1, r.computed, r.generated
         width = self.config.table_width(max(self.config.pages_for(r.computed + 1) for r in decoding))
-        logits = self.steps.run(tokens[:, None], num_new, lengths, self._tables(decoding, B), width)
+        logits = self.steps.run_step(tokens[:, None], num_new, lengths, self._tables(decoding, B), width)
         for r in decoding:
             self._written(r, 1)
         rows = RowParams.of([r.params for r in decoding], [r.key for r in decoding], B)
@@ -328,3 +328,23 @@ class ServingEngine:
             r.slot = None
             self._finished[r.id] = r
         return Event(r.id, token, logprob, r.finish_reason)
+
+
+def stream_on_pages(engine: Engine, ids: list[list[int]], max_new_tokens: int,
+                    params: list[SamplingParams]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``Engine.stream_ids`` on the paged cache, the way an engine whose run configuration names a
+    kernel mode generates (its steps attend on the kernels): the rows are served concurrently, one
+    slot each, and their tokens handed out position by position as every row has produced it."""
+    context = max(2, min(max(len(r) for r in ids) + max_new_tokens, engine.config.max_position_embeddings))
+    server = ServingEngine(engine, ServingConfig(slots=len(ids), max_context=context))
+    requests = [server.submit(r, max_new_tokens=max_new_tokens, sampling=p, ignore_eos=True)
+                for r, p in zip(ids, params)]
+    row_of = {request: row for row, request in enumerate(requests)}
+    produced: list[list[tuple[int, float]]] = [[] for _ in ids]
+    position = 0
+    for event in server.stream():
+        produced[row_of[event.request_id]].append((event.token, event.logprob))
+        while position < max_new_tokens and all(len(p) > position for p in produced):
+            yield (np.array([p[position][0] for p in produced], np.int32),
+                   np.array([p[position][1] for p in produced], np.float32))
+            position += 1

@@ -298,7 +298,7 @@ def run_dayzero(dst: Path, ids: list[int], placement: Any = None) -> tuple[list[
     import jax.numpy as jnp
 
     from dayzero.convert import load_checkpoint
-    from dayzero.convert.checkpoint import read_config
+    from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization
     from dayzero.model.parallel import Parallel
     from dayzero.model.transformer import forward
     from dayzero.model.weights import abstract_weights
@@ -306,11 +306,11 @@ def run_dayzero(dst: Path, ids: list[int], placement: Any = None) -> tuple[list[
     shardings = parallel = None
     tokens = np.asarray([ids], np.int32)
     if placement is not None:
-        from dayzero.engine.generate import check_placement
+        from dayzero.engine.runtime import check_placement
 
         config = read_config(dst)
         check_placement(config, placement)
-        shardings = placement.shardings(abstract_weights(config))
+        shardings = placement.shardings(abstract_weights(config, stored_quantization(read_manifest(dst))))
         parallel = Parallel(placement)
         tokens = placement.replicate(tokens)
     config, weights = load_checkpoint(dst, jnp.float32, shardings)

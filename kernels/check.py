@@ -5,10 +5,20 @@ Python (where power-of-two tile sizes, supported primitives, matmul shapes and i
 checked), then XLA's GPU compiler turns that IR into PTX. The first half runs on any machine by
 exporting for the "cuda" platform, which is how tests and ``bench/kernels.py`` check on CPU that
 every kernel still lowers for GPU at realistic sizes. The second half needs a GPU.
+
+:func:`triton_modules` also returns each kernel's Triton IR with its operands, and
+:func:`offset_types` / :func:`offset_overflows` read the address arithmetic out of it: which
+integer type each operand's pointer offsets have, and whether an int32 one can exceed 2^31 - 1
+(how tests check, without allocating it, that a pool larger than 2^31 elements is addressed
+safely).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import math
+import re
 from typing import Callable
 
 import jax
@@ -26,3 +36,90 @@ def triton_calls(fn: Callable, *avals: jax.ShapeDtypeStruct) -> int:
     exported = export.export(jax.jit(fn), platforms=["cuda"],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*avals)
     return exported.mlir_module().count(f"@{TRITON_CALL}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonModule:
+    """One Pallas Triton kernel as lowered: its Triton IR (MLIR text) and its operands in the
+    order of the kernel function's pointer arguments ``%arg0, %arg1, ...`` (the pallas_call's
+    inputs, then its outputs)."""
+
+    ir: str
+    operands: tuple[jax.ShapeDtypeStruct, ...]
+
+
+@contextlib.contextmanager
+def _capture_triton_modules(captured: list[TritonModule]):
+    # Pallas has no public hook for the Triton IR it builds (pallas_call(debug=True) prints it),
+    # so this wraps its private lowering entry point for the duration of one lowering.
+    from jax._src.pallas.triton import lowering
+
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(jaxpr, grid_mapping, *args, **kwargs):
+        result = original(jaxpr, grid_mapping, *args, **kwargs)
+        operands = tuple(jax.ShapeDtypeStruct(bm.array_aval.shape, bm.array_aval.dtype)
+                         for bm in grid_mapping.block_mappings)
+        captured.append(TritonModule(result.module.operation.get_asm(), operands))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+
+
+def triton_modules(fn: Callable, *avals: jax.ShapeDtypeStruct) -> list[TritonModule]:
+    """Lower ``fn`` for CUDA as :func:`triton_calls` does and return every Pallas Triton
+    kernel it contains, with its IR and operands (relies on a private JAX function; raises if
+    it captured nothing)."""
+    captured: list[TritonModule] = []
+    with _capture_triton_modules(captured):
+        count = triton_calls(fn, *avals)
+    if len(captured) != count:
+        raise RuntimeError(f"lowered {count} Triton calls but captured {len(captured)} modules")
+    return captured
+
+
+_SPLAT = re.compile(r"^\s*(%[\w.#]+) = tt\.splat (%[\w.#]+) : !tt\.ptr<")
+_ADDPTR = re.compile(r"^\s*(?:%[\w.#]+ = )?tt\.addptr (%[\w.#]+), %[\w.#]+ : .*?(i\d+)>?\s*$")
+_ARG = re.compile(r"^%arg(\d+)$")
+
+
+def offset_types(module: TritonModule) -> dict[int, set[str]]:
+    """For each operand index, the integer types (``"i32"``, ``"i64"``) of the offsets added to
+    its pointer (``tt.addptr`` of the argument, directly or splatted to a tensor of pointers).
+    Raises if an ``addptr`` starts from anything else, so a change in how Pallas builds
+    addresses is noticed rather than missed."""
+    sources: dict[str, int] = {}
+    types: dict[int, set[str]] = {}
+    for line in module.ir.splitlines():
+        if m := _SPLAT.match(line):
+            arg = _ARG.match(m.group(2))
+            if arg and int(arg.group(1)) < len(module.operands):
+                sources[m.group(1)] = int(arg.group(1))
+        elif m := _ADDPTR.match(line):
+            base, offset = m.group(1), m.group(2)
+            arg = _ARG.match(base)
+            if arg and int(arg.group(1)) < len(module.operands):
+                index = int(arg.group(1))
+            elif base in sources:
+                index = sources[base]
+            else:
+                raise ValueError(f"tt.addptr from a pointer not traced to an operand: {line.strip()}")
+            types.setdefault(index, set()).add(offset)
+    return types
+
+
+def offset_overflows(module: TritonModule) -> list[str]:
+    """The operands addressed with int32 offsets although they hold more than 2^31 elements
+    (an offset past 2^31 - 1 wraps negative; Triton's addptr sign-extends it), one line each."""
+    problems = []
+    for index, types in sorted(offset_types(module).items()):
+        operand = module.operands[index]
+        elements = math.prod(operand.shape)
+        if "i32" in types and elements > 2**31:
+            problems.append(f"operand {index} {operand.dtype}{list(operand.shape)}: {elements} elements "
+                            f"addressed with i32 offsets")
+    return problems

@@ -11,6 +11,22 @@ exp(score - m) and the unnormalised output ``acc`` (one array per value part), a
 ``m`` starts at a large finite negative number, not -inf: masked scores are -inf, so a tile (or
 a whole row) with nothing visible adds exp(-inf) = 0 and never computes inf - inf = NaN. A row
 that saw no key ends with l == 0 and its output is defined as zeros.
+
+Quantized pools (int8 or float8_e4m3fn values with one float32 scale per row, the layout of
+``dayzero.model.quant.QuantizedArray`` in channel layout over the last axis) are read as stored
+and dequantized where they are used: :func:`dequantize` turns gathered values and their gathered
+scales into q's dtype, the same maths in the references (on the gathered rows) and in the
+kernels (on each loaded tile), so both see the same keys and values.
+
+Offsets: Pallas Triton addresses each operand from its base with 32-bit element offsets unless the
+operand is larger than 2^32 bytes (jax 0.10: ``_compute_offsets_from_indices``). For 2- and 4-byte
+elements that is safe (at most 2^31 elements, so every offset fits int32); a 1-byte (int8/fp8)
+array of more than 2^31 and at most 2^32 elements gets int32 offsets that overflow (Triton's
+addptr sign-extends them). The kernels cannot choose the offset type; the one way around it from
+here, handing Pallas the pool as 2-byte words, needs an XLA bitcast-convert across widths, which
+XLA may materialise as a copy of the whole pool on every call. :func:`check_pallas_offsets`
+refuses such an operand instead (tests/test_kernel_offsets.py reads the emitted IR); the
+wrappers' own index arithmetic works in rows, never in elements (see :func:`flat_rows`).
 """
 
 from __future__ import annotations
@@ -25,6 +41,11 @@ M_INIT = -1e30
 # Triton's tl.dot needs each side of a product to be at least this long.
 MIN_DOT = 16
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Stored element types of a quantized pool (read with a float32 scale per row).
+QUANT_DTYPES = (jnp.int8, jnp.float8_e4m3fn)
+# Pallas Triton (jax 0.10) switches an operand's offsets to int64 only above this many bytes.
+PALLAS_INT32_OFFSET_BYTES = 2**32
+INT32_MAX = 2**31 - 1
 
 Parts = tuple[tuple[int, int], ...]  # (offset, size) of each power-of-two part of a dim
 
@@ -131,6 +152,49 @@ def store_parts(ref, outs: tuple[jax.Array, ...], parts: Parts) -> None:
         ref[:, offset:offset + size] = out.astype(ref.dtype)
 
 
+def dequantize(values: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
+    """``values`` as ``dtype``: unchanged when ``scale`` is None (a float pool, already
+    ``dtype``), else ``values * scale`` computed in float32 (``scale`` broadcastable to
+    ``values``: [..., 1] for gathered rows, [rows, 1] for a kernel tile), then rounded."""
+    if scale is None:
+        return values
+    return (values.astype(jnp.float32) * scale).astype(dtype)
+
+
+def flat_rows(major: jax.Array, num_major: int, rows_per_major: int, minor: jax.Array) -> jax.Array:
+    """Row index ``major * rows_per_major + minor`` into a [num_major * rows_per_major, ...]
+    view, as uint32 (non-negative, so a gather skips the wrap-around of negative indices).
+
+    The wrappers gather whole rows, so indices count rows, never elements: a pool of 2^31
+    elements is 2^20 rows of 2048. Both inputs must already be in range (non-negative,
+    clamped). JAX hands gathers int32 indices (it converts uint32 ones), so the rows must be at
+    most 2^31 (2^31 pages: beyond any memory); raises otherwise."""
+    if num_major * rows_per_major > INT32_MAX + 1:
+        raise KernelError(f"{num_major} x {rows_per_major} rows exceed the 2^31 rows a gather index can address")
+    return major.astype(jnp.uint32) * jnp.uint32(rows_per_major) + minor.astype(jnp.uint32)
+
+
+def pallas_offsets_fit(shape: tuple[int, ...], dtype) -> bool:
+    """Whether Pallas Triton's element offsets into an operand of ``shape`` and ``dtype``
+    cannot overflow: it uses int64 above 2^32 bytes, else int32, which holds offsets up to
+    2^31 - 1 (so at most 2^31 elements)."""
+    elements = 1
+    for n in shape:
+        elements *= int(n)
+    nbytes = elements * jnp.dtype(dtype).itemsize
+    return nbytes > PALLAS_INT32_OFFSET_BYTES or elements - 1 <= INT32_MAX
+
+
+def check_pallas_offsets(op: str, name: str, x) -> None:
+    """Raise unless :func:`pallas_offsets_fit` (only a 1-byte array of 2^31 to 2^32 elements
+    fails: Pallas Triton would address it with int32 offsets that overflow)."""
+    if not pallas_offsets_fit(tuple(x.shape), x.dtype):
+        raise KernelError(
+            f"{op}: {name} {x.dtype}{list(x.shape)} has more than 2^31 one-byte elements but at most "
+            f"2^32 bytes, which Pallas Triton addresses with int32 offsets that overflow; keep each "
+            f"1-byte pool to at most 2^31 elements (fewer pages) or use --kernels reference")
+
+
 def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
     """For the references: fp32 softmax of ``scores`` over its last axis where ``mask``; rows
     with nothing visible give zeros (not NaN)."""
@@ -153,6 +217,38 @@ def check_float(op: str, name: str, x, dtype=None) -> None:
         raise KernelError(f"{op}: {name} must be float32, bfloat16 or float16, got {x.dtype}")
     if dtype is not None and jnp.dtype(x.dtype) != jnp.dtype(dtype):
         raise KernelError(f"{op}: {name} has dtype {x.dtype} but q has {dtype}; cast it to q's dtype")
+
+
+def check_pool(op: str, name: str, pool, scale_name: str, scale, dtype) -> bool:
+    """Check a pool of rows and its optional scale; return whether it is quantized.
+
+    A float pool has ``dtype`` (q's) and no scale; an int8/float8_e4m3fn pool needs
+    ``scale``: float32, the pool's shape with last dim 1 (one scale per row: per kv head, page
+    and slot for K/V pages). Raises :class:`KernelError` naming the argument and what to pass.
+    """
+    kind = jnp.dtype(pool.dtype)
+    expected = tuple(pool.shape[:-1]) + (1,)
+    if kind in [jnp.dtype(d) for d in QUANT_DTYPES]:
+        if scale is None:
+            raise KernelError(
+                f"{op}: {name} is {kind}, a quantized pool, so {scale_name} is required: float32 "
+                f"{list(expected)} (one scale per row, real value = values * scale), e.g. the "
+                f"pool's QuantizedArray .scale")
+        if tuple(scale.shape) != expected:
+            raise KernelError(f"{op}: {scale_name} has shape {tuple(scale.shape)}, expected {expected} "
+                              f"({name}'s shape {tuple(pool.shape)} with last dim 1)")
+        if jnp.dtype(scale.dtype) != jnp.float32:
+            raise KernelError(f"{op}: {scale_name} must be float32, got {scale.dtype}")
+        return True
+    if scale is not None:
+        raise KernelError(
+            f"{op}: {scale_name} was given but {name} is {kind}, not a quantized pool (int8 or "
+            f"float8_e4m3fn); pass {scale_name} only with quantized values (QuantizedArray .values)")
+    if kind not in [jnp.dtype(d) for d in FLOAT_DTYPES]:
+        raise KernelError(f"{op}: {name} must be float32, bfloat16 or float16 (q's dtype), or int8 or "
+                          f"float8_e4m3fn with {scale_name}; got {kind}")
+    check_float(op, name, pool, dtype)
+    return False
 
 
 def check_int_vector(op: str, name: str, x, length: int) -> None:

@@ -40,7 +40,7 @@ import functools
 import math
 
 from dayzero.model.config import ModelConfig
-from dayzero.model.transformer import cache_specs
+from dayzero.model.cache import cache_specs
 from dayzero.model.weights import abstract_weights, named_leaves, parameter_count
 from dayzero.sharding.planner import ITEMSIZE, Component, KVDtype, Stage, Tensor, WeightDtype, Workload
 

@@ -36,7 +36,7 @@ from dayzero.model import dsa
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
 from dayzero.model.kernel_attention import KernelLayer
-from dayzero.model.quant import dequantized, take_along_axis
+from dayzero.model.quant import as_stored, dequantized, take_along_axis
 from dayzero.model.rope import yarn_mscale, apply_rope, deinterleave
 from dayzero.model.weights import MLAWeights
 
@@ -235,7 +235,8 @@ def mla_block(
         attended, added = layer_cache.attend_latent(q_cat, new, m.kv_lora_rank)
     elif config.dsa is None:
         added = (new,)
-        attended = attend(q_cat, None if layer_cache is None else layer_cache[0], new, masks)
+        cache = None if layer_cache is None else layer_cache[0]
+        attended = attend(q_cat, cache, as_stored(new, cache), masks)  # new rows read as the cache holds them
     else:
         new_keys = dsa.index_keys(w.indexer, config, x, cos_sin)
         if on_kernels:
@@ -245,7 +246,8 @@ def mla_block(
             attended, added = layer_cache.attend_sparse(q_cat, new, new_keys, select, m.kv_lora_rank)
         else:
             added = (new, new_keys)
-            attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, new, new_keys,
+            stored = new if layer_cache is None else as_stored(new, layer_cache[0])
+            attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, stored, new_keys,
                                          masks, attend)
     out_latent = attended[..., : m.kv_lora_rank]
     out = jnp.einsum("btnl,lnv->btnv", out_latent, dequantized(w.v_up, x.dtype))  # v_up applied after attention

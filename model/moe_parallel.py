@@ -18,6 +18,12 @@ written out:
    over ``tensor``). The output leaves ``shard_map`` split over ``expert`` and is joined by
    XLA into the replicated hidden state.
 
+Quantized experts (``dayzero.model.quant.QuantizedArray`` stacks) enter ``shard_map`` as they are,
+values and scale each with its own PartitionSpec: the scale is split along the experts always and
+along the width wherever its values are, so each device dequantizes its slice with its own
+scales. A block scale whose blocks a width shard would cut is re-blocked first (exactly; the
+engine's weights arrive already re-blocked by ``dayzero.model.weights.mesh_aligned_specs``).
+
 Capacity policy (``Parallel.capacity_factor``): the send buffer holds ``capacity`` rows
 per destination. The default (None) is the no-drop worst case, every pair of a device's tokens
 going to one destination: capacity = tokens per device x C. Nothing is ever dropped, and the
@@ -42,7 +48,8 @@ from jax.sharding import PartitionSpec as P
 from dayzero.model.config import MoEConfig
 from dayzero.model.moe import GroupedMatmul, grouped_swiglu, route, sort_by_expert, swiglu
 from dayzero.model.parallel import Parallel
-from dayzero.model.weights import MoEWeights
+from dayzero.model.quant import QuantError, QuantizedArray, reblocked
+from dayzero.model.weights import MoEWeights, aligned_block
 
 def check_expert_parallel(num_experts: int, ep: int) -> None:
     """Raise ValueError unless ``num_experts`` splits evenly over ``ep`` devices."""
@@ -53,18 +60,74 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
         )
 
 
+# The logical axes of the routed-expert stacks (as declared in dayzero.model.weights._moe_specs).
+_EXPERT_AXES = {"gate": ("experts", "embed", "ffw"), "up": ("experts", "embed", "ffw"),
+                "down": ("experts", "ffw", "embed")}
+
+
+def _aligned_experts(w: MoEWeights, par: Parallel) -> MoEWeights:
+    """``w`` with each block-scaled expert stack re-blocked (exactly, ``quant.reblocked``) where a
+    shard of its width would start inside a block; a no-op for weights laid out by
+    ``weights.mesh_aligned_specs`` (the engine's), a small repeat of the scales otherwise."""
+    def one(name):
+        x = getattr(w, name)
+        if not isinstance(x, QuantizedArray) or x.block is None:
+            return x
+        return reblocked(x, aligned_block(x.shape, _EXPERT_AXES[name], x.in_axes, x.block, par.size)[0])
+    return w.replace(gate=one("gate"), up=one("up"), down=one("down"))
+
+
+def _scale_axes(x: QuantizedArray, axes: tuple[str, ...], par: Parallel) -> tuple[str | None, ...]:
+    """The logical axes of ``x``'s scale that split it with its values (``x`` already aligned)."""
+    if x.block is None:  # one scale per output channel: the values' axes, size 1 on the contracted ones
+        return tuple(None if i in x.in_axes else a for i, a in enumerate(axes))
+    _, (in_axis, out_axis) = aligned_block(x.shape, axes, x.in_axes, x.block, par.size)
+    return (*axes[: x.in_axes[0]], in_axis, out_axis)
+
+
+def _check_scale_follows(name: str, x: QuantizedArray, values: P, scale: P) -> None:
+    """Raise QuantError unless every split of a block-scaled stack's In / Out group is matched
+    by the same split of its scale (else a device would read its values with others' scales)."""
+    if x.block is None:
+        return  # the scale has the values' axes (size 1, hence whole, on the contracted ones)
+    first, last = x.in_axes[0], x.in_axes[-1]
+    values = tuple(values) + (None,) * (x.ndim - len(values))
+    scale = tuple(scale) + (None,) * (x.scale.ndim - len(scale))
+    for g, dims in enumerate((range(first, last + 1), range(last + 1, x.ndim))):
+        split = [values[d] for d in dims]
+        if any(split) and (any(split[1:]) or scale[first + g] != split[0]):
+            raise QuantError(
+                f"routed experts' {name} {x.shape} with {x.fmt.value} blocks {x.block} is split as {values}, "
+                f"which its block scales cannot follow inside the expert-parallel block; use a mesh with "
+                f"{next(a for a in split if a)}=1")
+
+
 def _expert_specs(w: MoEWeights, par: Parallel) -> tuple[MoEWeights, str | None]:
-    """The shard_map in_specs of the routed-expert weights, and the mesh axis splitting their width."""
-    sharding = lambda axes, x: par.placement.sharding(axes, x.shape).spec  # noqa: E731
-    gate = sharding(("experts", "embed", "ffw"), w.gate)
-    down = sharding(("experts", "ffw", "embed"), w.down)
-    if gate[0] != par.mesh_axis("experts"):
+    """The shard_map in_specs of the routed-expert weights, and the mesh axis splitting their width.
+
+    A quantized stack gets a QuantizedArray of two specs: its values split like a float stack's,
+    its scale along the expert axis always, and along the width where the values are (a block
+    scale of ``w`` as aligned by ``_aligned_experts``), so that each device's local QuantizedArray
+    is self-consistent.
+    """
+    def spec(name):
+        x, axes = getattr(w, name), _EXPERT_AXES[name]
+        values = par.placement.sharding(axes, x.shape).spec
+        if not isinstance(x, QuantizedArray):
+            return values
+        scale = par.placement.sharding(_scale_axes(x, axes, par), x.scale.shape).spec
+        _check_scale_follows(name, x, values, scale)
+        return x.replace(values=values, scale=scale)
+
+    gate, up, down = spec("gate"), spec("up"), spec("down")
+    gate_values = gate.values if isinstance(gate, QuantizedArray) else gate
+    if gate_values[0] != par.mesh_axis("experts"):
         raise ValueError(f"experts {w.gate.shape[0]} are not split over the mesh by rules {par.placement.rules.name!r}")
     specs = MoEWeights(
-        router=P(), gate=gate, up=gate, down=down,
+        router=P(), gate=gate, up=up, down=down,
         score_bias=None if w.score_bias is None else P(), shared=None,
     )
-    return specs, gate[2]
+    return specs, gate_values[2]
 
 
 def _slots(dest: jax.Array, sent: jax.Array, ep: int, capacity: int) -> tuple[jax.Array, jax.Array]:
@@ -123,7 +186,8 @@ def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Par
     n = -(-N // ep)  # tokens per device
     tokens = jnp.pad(x.reshape(N, D), ((0, n * ep - N), (0, 0)))
     valid = jnp.arange(n * ep) < N
-    routed = MoEWeights(router=w.router, gate=w.gate, up=w.up, down=w.down, score_bias=w.score_bias)
+    routed = _aligned_experts(
+        MoEWeights(router=w.router, gate=w.gate, up=w.up, down=w.down, score_bias=w.score_bias), par)
     specs, width_axis = _expert_specs(routed, par)
     body = functools.partial(
         _dispatch_local, config=config, axis=axis, ep=ep, capacity=par.capacity(n, config.experts_per_token),

@@ -18,8 +18,11 @@ values in the pool's layout and one fp32 scale per (kv head, page, slot) for key
 1]). Writes quantize each new row; ``layer(i)`` gathers values and scales alike and hands the
 attention blocks the gathered view still quantized, which they read through ``dequantized``
 exactly as they read the contiguous cache (so the two caches compute the same function, and a
-sparse block dequantizes only the rows it picks). The Pallas kernels read plain pages only
-(``ServingConfig.resolve`` keeps a quantized cache on the reference path).
+sparse block dequantizes only the rows it picks). The Pallas kernels read the stored values with
+their scale pages in place.
+
+:func:`paged_cache_specs` declares the pools abstractly (logical axes), so that on a mesh they
+are laid out as the contiguous cache is: per-head pools split by kv head over ``tensor``.
 
 The caches here have the interface ``transformer.forward`` reads (``lengths``, ``rope_len``,
 ``max_len``, ``layer(i)``): ``layer(i)`` gathers each row's pages into the contiguous view the
@@ -34,19 +37,21 @@ it and ``with_written`` takes the written pages back (``dayzero.model.kernel_att
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
-from dayzero.kernels.paged_attention import gather_pages
-from dayzero.model.kernel_attention import PagedKernelCache, page_slots, write_head_rows, write_rows
-from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, empty_quantized
-from dayzero.model.transformer import NewKV, NewLatent
+from dayzero.model.cache import NewKV, NewLatent, page_slots, write_head_rows, write_rows
+from dayzero.model.kernel_attention import HeadSplit, PagedKernelCache, gathered
+from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, scale_shape
+from dayzero.model.weights import Init, ParamSpec, map_specs
 
-__all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "page_slots", "append_to_pages",
-           "kernel_view", "with_written"]
+__all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "paged_cache_specs", "page_slots",
+           "append_to_pages", "kernel_view", "with_written"]
 
 
 @struct.dataclass
@@ -85,7 +90,7 @@ class PagedKVCache:
         the gathered copy cost more than the whole attention (``attend`` reads them token-major).
         """
         tables = _after(self.block_tables, after)
-        return _gathered(self.k_pages[i], tables), _gathered(self.v_pages[i], tables)
+        return gathered(self.k_pages[i], tables), gathered(self.v_pages[i], tables)
 
 
 def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
@@ -102,15 +107,6 @@ def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
     return jnp.minimum(block_tables, block_tables + flag)
 
 
-def _gathered(pool: jax.Array | QuantizedArray, tables: jax.Array) -> jax.Array | QuantizedArray:
-    """``gather_pages`` of a pool; a quantized pool's values and scales are gathered alike (one
-    row gather each) and stay quantized: the scale's channel axis is the last one in both the
-    pool and the gathered view, so the layout metadata carries over unchanged."""
-    if isinstance(pool, QuantizedArray):
-        return pool.replace(values=gather_pages(pool.values, tables), scale=gather_pages(pool.scale, tables))
-    return gather_pages(pool, tables)
-
-
 @struct.dataclass
 class PagedLatentCache:
     """Multi-head latent attention's paged cache: per layer latent pages [P, page_size, C]
@@ -122,6 +118,8 @@ class PagedLatentCache:
     lengths: jax.Array
     rope_len: jax.Array
     index_key_pages: tuple[jax.Array | QuantizedArray, ...] | None = None
+
+    keys_token_major = False  # no per-head keys (see ``transformer.forward``)
 
     @property
     def page_size(self) -> int:
@@ -137,43 +135,66 @@ class PagedLatentCache:
         """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages
         once ``after`` (the layer's input) is computed."""
         tables = _after(self.block_tables, after)
-        latent = _gathered(self.latent_pages[i], tables)
+        latent = gathered(self.latent_pages[i], tables)
         if self.index_key_pages is None:
             return (latent,)
-        return latent, _gathered(self.index_key_pages[i], tables)
+        return latent, gathered(self.index_key_pages[i], tables)
 
 
-def init_paged_cache(
-    config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1, dtype=jnp.float32,
-    kv_quant: KVQuant = KVQuant.NONE,
-) -> PagedKVCache | PagedLatentCache:
-    """A zeroed pool of ``num_pages`` pages of ``page_size`` positions per layer, with ``batch``
-    empty rows whose tables are ``table_width`` wide (replace ``block_tables`` and ``lengths``
-    to serve sequences). ``kv_quant``: store the pages quantized (see the module docstring)."""
-    tables = jnp.zeros((batch, table_width), jnp.int32)
-    lengths = jnp.zeros((batch,), jnp.int32)
-    rope_len = jnp.zeros((), jnp.int32)
-    L = config.num_layers
-
-    def pool(shape: tuple[int, ...]) -> jax.Array | QuantizedArray:
+def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1,
+                      kv_quant: KVQuant = KVQuant.NONE) -> PagedKVCache | PagedLatentCache:
+    """The paged cache declared abstractly: a ``ParamSpec`` (shape, logical axes) at every leaf,
+    as ``transformer.cache_specs`` declares the contiguous cache, so the pool's shapes
+    (:func:`init_paged_cache`) and its shardings on a mesh (``Placement.shardings``) come from one
+    tree. Per-head pools split their kv heads as the contiguous cache does (``kv_heads``); the
+    latent and indexer-key pools have no head axis and no per-row axis, and stay whole on every
+    device. With ``kv_quant`` every pool is a ``QuantizedArray`` of values and a float32 scale per
+    (head,) page and slot, split with its values."""
+    def pool(shape: tuple[int, ...], axes: tuple[str | None, ...]):
+        spec = ParamSpec(shape, axes, Init.ZEROS)
         if kv_quant is KVQuant.NONE:
-            return jnp.zeros(shape, dtype)
-        # The channel (head dim / latent width) is the last axis of every pool.
-        return empty_quantized(shape, KV_FORMATS[kv_quant], (len(shape) - 1,))
+            return spec
+        fmt, channel = KV_FORMATS[kv_quant], len(shape) - 1  # the channel is the last axis of every pool
+        scale = ParamSpec(scale_shape(shape, (channel,), None), axes[:-1] + (None,), Init.ONES,
+                          jnp.dtype(jnp.float32))
+        return QuantizedArray(dataclasses.replace(spec, dtype=fmt.dtype), scale, fmt, (channel,), None)
 
+    tables = ParamSpec((batch, table_width), ("batch", None), Init.ZEROS, jnp.dtype(jnp.int32))
+    lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
+    rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
+    L = config.num_layers
     if config.mla is not None:
         width = config.mla.kv_lora_rank + config.mla.rope_dim
         keys = None
         if config.dsa is not None:
-            keys = tuple(pool((num_pages, page_size, config.dsa.head_dim)) for _ in range(L))
-        latent = tuple(pool((num_pages, page_size, width)) for _ in range(L))
+            keys = tuple(pool((num_pages, page_size, config.dsa.head_dim), (None, None, None)) for _ in range(L))
+        latent = tuple(pool((num_pages, page_size, width), (None, None, None)) for _ in range(L))
         return PagedLatentCache(latent, tables, lengths, rope_len, keys)
-    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
-    return PagedKVCache(
-        k_pages=tuple(pool(shape) for _ in range(L)),
-        v_pages=tuple(pool(shape) for _ in range(L)),
-        block_tables=tables, lengths=lengths, rope_len=rope_len,
-    )
+    kv = pool((config.num_kv_heads, num_pages, page_size, config.head_dim), ("kv_heads", None, None, "head_dim"))
+    return PagedKVCache(k_pages=(kv,) * L, v_pages=(kv,) * L, block_tables=tables, lengths=lengths, rope_len=rope_len)
+
+
+def init_paged_cache(
+    config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1, dtype=jnp.float32,
+    kv_quant: KVQuant = KVQuant.NONE, shardings=None,
+) -> PagedKVCache | PagedLatentCache:
+    """A zeroed pool of ``num_pages`` pages of ``page_size`` positions per layer, with ``batch``
+    empty rows whose tables are ``table_width`` wide (replace ``block_tables`` and ``lengths``
+    to serve sequences). ``kv_quant``: store the pages quantized (see the module docstring).
+    ``shardings``: a matching tree of shardings (``Placement.shardings`` of
+    :func:`paged_cache_specs`) to make each pool in place on its devices."""
+    args = (config, num_pages, page_size, batch, table_width, jnp.dtype(dtype), kv_quant)
+    if shardings is None:
+        return _empty_pool(*args)
+    return jax.jit(_empty_pool, static_argnums=tuple(range(len(args))), out_shardings=shardings)(*args)
+
+
+def _empty_pool(config, num_pages, page_size, batch, table_width, dtype, kv_quant):
+    def empty(s: ParamSpec) -> jax.Array:
+        fill = jnp.ones if s.init is Init.ONES else jnp.zeros
+        return fill(s.shape, s.dtype or dtype)
+
+    return map_specs(empty, paged_cache_specs(config, num_pages, page_size, batch, table_width, kv_quant))
 
 
 def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLatent) -> PagedKVCache | PagedLatentCache:
@@ -202,20 +223,17 @@ def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLate
 
 
 def kernel_view(cache: PagedKVCache | PagedLatentCache, num_new: jax.Array, mode: KernelMode,
-                windows: tuple[int | None, ...]) -> PagedKernelCache:
+                windows: tuple[int | None, ...], split: HeadSplit | None = None) -> PagedKernelCache:
     """``cache`` as a step on the kernels reads it (``mode`` resolved, not reference; ``windows``:
-    each layer's sliding window). The kernels read unquantized pages only."""
-    first = cache.k_pages[0] if isinstance(cache, PagedKVCache) else cache.latent_pages[0]
-    if isinstance(first, QuantizedArray):
-        raise ValueError(f"the {mode.value} kernels read unquantized pages, but these are {first.fmt.value}; "
-                         "serve a quantized cache on the reference path")
+    each layer's sliding window; ``split``: the mesh the kernels run on, None for one device).
+    Quantized pools are handed over as they are: the kernels read their scale pages."""
     if isinstance(cache, PagedKVCache):
         pages = tuple(zip(cache.k_pages, cache.v_pages))
     elif cache.index_key_pages is None:
         pages = tuple((p,) for p in cache.latent_pages)
     else:
         pages = tuple(zip(cache.latent_pages, cache.index_key_pages))
-    return PagedKernelCache(pages, cache.block_tables, cache.lengths, cache.rope_len, num_new, mode, windows)
+    return PagedKernelCache(pages, cache.block_tables, cache.lengths, cache.rope_len, num_new, mode, windows, split)
 
 
 def with_written(cache: PagedKVCache | PagedLatentCache, view: PagedKernelCache) -> PagedKVCache | PagedLatentCache:

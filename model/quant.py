@@ -11,7 +11,10 @@ metadata saying how the scale is laid out:
 - block layout (``block`` = (bi, bo)): the leaf is seen as a matrix [*batch, In, Out] (batch = the
   axes before ``in_axes``, In = the ``in_axes``, Out = the rest, flattened), with one scale per
   [bi, bo] block, scale shape [*batch, ceil(In/bi), ceil(Out/bo)]; the last blocks of a dimension
-  may be partial (DeepSeek's FP8 checkpoints have them, e.g. 576 = 4.5 x 128 rows).
+  may be partial (DeepSeek's FP8 checkpoints have them, e.g. 576 = 4.5 x 128 rows). Scales can
+  be given exactly per a finer block that divides the block (:func:`reblocked`): that is how a
+  mesh whose shards start inside a block gets shard-local scales
+  (``dayzero.model.weights.mesh_aligned_specs``).
 
 Forward code reads every weight and cached array through :func:`dequantized`, which returns the
 compute-dtype array (a plain array is only cast). Dequantizing right before the contraction is
@@ -39,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -201,6 +205,36 @@ def _expand_blocks(scale: jax.Array, block: tuple[int, int], n_in: int, n_out: i
     return s[..., :n_in, :n_out]
 
 
+def reblocked(x: QuantizedArray, block: tuple[int, int]) -> QuantizedArray:
+    """``x`` (block layout) with its scales given per finer ``block`` (bi', bo'), where bi' divides
+    ``x.block``'s bi and bo' its bo: exact, the values are unchanged and so is every dequantized
+    element.
+
+    Proof: fine block k of a dimension covers [k bi', (k+1) bi') (cut at the dimension's end).
+    Coarse block boundaries are multiples of bi, hence of bi', so that range lies inside one
+    coarse block, number floor(k bi' / bi) = k // (bi / bi'): the fine scale is the coarse one
+    repeated bi / bi' times. A partial last coarse block (576 = 4.5 x 128) is no exception: its
+    fine blocks are the first ceil(576 / bi') - 4 (bi / bi') of its repeats, so the repeated
+    scales are cut to ceil(In / bi') (<= ceil(In / bi) (bi / bi')). Used to split a block-scaled
+    weight where a shard of its values would start inside a block (see
+    ``dayzero.model.weights.mesh_aligned_specs``); scales grow by (bi / bi') (bo / bo').
+    Works on numpy and jax scales alike.
+    """
+    if x.block is None:
+        raise QuantError(f"a channel-layout {x.fmt.value} array has no blocks to re-block to {tuple(block)}")
+    fine = tuple(int(b) for b in block)
+    if fine == tuple(x.block):
+        return x
+    (bi, bo), (fi, fo) = x.block, fine
+    if len(fine) != 2 or fi < 1 or fo < 1 or bi % fi or bo % fo:
+        raise QuantError(f"scales of block {tuple(x.block)} cannot be re-blocked exactly to {tuple(block)}: "
+                         "each new block size must divide the old one")
+    _, n_in, n_out = matrix_dims(x.shape, x.in_axes)
+    xp = np if isinstance(x.scale, np.ndarray) else jnp
+    scale = xp.repeat(xp.repeat(x.scale, bi // fi, axis=-2), bo // fo, axis=-1)
+    return x.replace(scale=scale[..., : math.ceil(n_in / fi), : math.ceil(n_out / fo)], block=fine)
+
+
 def _dequantize(x: QuantizedArray) -> jax.Array:
     values = x.values.astype(jnp.float32)
     if x.block is None:
@@ -258,6 +292,17 @@ def empty_quantized(shape: tuple[int, ...], fmt: ValueFormat, in_axes: tuple[int
     """A zero array in channel layout (an empty quantized cache buffer)."""
     return QuantizedArray(jnp.zeros(shape, fmt.dtype), jnp.ones(scale_shape(shape, in_axes, None), jnp.float32),
                           fmt, tuple(in_axes), None)
+
+
+def as_stored(x: jax.Array, cache: Any) -> jax.Array:
+    """``x`` [..., C] (new rows for a cache) as ``cache`` gives them back once written: quantized
+    with its format, one scale per row, then dequantized; unchanged when ``cache`` is not a
+    quantized array. A step's own new keys and values are read this way beside the cached ones,
+    so that every path (the contiguous cache, the paged reference, the kernels, which write the
+    new rows into the pages before reading them) attends over the same stored values."""
+    if not isinstance(cache, QuantizedArray):
+        return x
+    return dequantized(quantize(x, cache.fmt, (x.ndim - 1,)), x.dtype)
 
 
 def take_along_axis(x: Any, indices: jax.Array, axis: int) -> Any:

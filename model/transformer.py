@@ -3,29 +3,24 @@
 One implementation serves prefill and decode. ``forward`` runs ``tokens`` [B, T] as the
 continuation of each row of the KV cache (at that row's current length): the new queries attend
 to the cached keys plus the new keys, and it returns logits and the new keys/values.
-``append_to_cache`` then writes those into the cache. Rows may have different lengths
-(``num_new`` says how many of the T tokens of each row are real; the rest is bucket padding,
-written past the row's length and never attended to).
+``dayzero.model.cache.append_to_cache`` then writes those into the cache, in a jit of its own
+(the caches, their specs and writes live in ``dayzero.model.cache``). Rows may have different
+lengths (``num_new`` says how many of the T tokens of each row are real; the rest is bucket
+padding, written past the row's length and never attended to).
 
 Multi-head latent attention (``config.attention`` MLA, ``dayzero.model.mla``) caches one latent
-row per token instead (:class:`LatentCache`); ``forward`` then returns :class:`NewLatent`. With
-sparse attention (``config.dsa``) each token also caches its indexer key beside the latent row.
-
-Why two functions: when one XLA:CPU computation both reads a cache buffer and updates it in
-place, XLA copies the whole buffer (measured: 60 x [1,3,8192,64] buffers, 0.3 ms for the update
-alone, 228 ms with a read beside it). Jitted separately, with the cache donated to the update,
-the read and the in-place write stay copy-free.
+row per token instead (``LatentCache``); ``forward`` then returns ``NewLatent``. With sparse
+attention (``config.dsa``) each token also caches its indexer key beside the latent row.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 
+from dayzero.model.cache import CacheView, NewKV, NewLatent
 from dayzero.model.config import AttentionKind, ModelConfig
 from dayzero.model.mla import attend_latent, mla_block
 from dayzero.model.mla_parallel import attend_latent_split
@@ -34,141 +29,10 @@ from dayzero.model.moe_parallel import moe_expert_parallel
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.kernels import KernelMode
-from dayzero.model.kernel_attention import KernelLayer, NewTokensLayer, PagedKernelCache
-from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, dequantized, quantize_like, scale_shape
+from dayzero.model.kernel_attention import HeadSplit, KernelLayer, NewTokensLayer, PagedKernelCache
+from dayzero.model.quant import as_stored, dequantized
 from dayzero.model.rope import apply_rope, rope_cos_sin
-from dayzero.model.weights import (
-    AttentionWeights, Init, LayerWeights, MLPWeights, MoEWeights, ParamSpec, Weights, map_specs,
-)
-
-
-@struct.dataclass
-class KVCache:
-    """Per-layer keys [B, K, H, S], values [B, K, S, H] and per-row valid lengths [B].
-
-    These are the layouts XLA:CPU contracts fastest for decode (measured on [1,3,8192,64] with
-    9 query heads: q.k 0.28 ms with keys [B,K,H,S] against 0.57 ms with [B,K,S,H]; p.v 0.14 ms
-    with values [B,K,S,H] against 1.46 ms with [B,K,H,S]).
-
-    ``rope_len`` is the longest sequence seen so far (a scalar), which dynamic-NTK RoPE needs.
-    """
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    lengths: jax.Array
-    rope_len: jax.Array
-
-    # ``layer(i)``'s keys are [B,K,H,S] (a paged cache's view is token-major [B,K,S,H]).
-    keys_token_major = False
-
-    @property
-    def max_len(self) -> int:
-        """S, the number of positions each row can hold."""
-        return self.v[0].shape[2]
-
-    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
-        """Layer ``i``'s cached arrays, as its attention block takes them.
-
-        ``after``: the layer's input activations. A cache that builds the arrays (the paged
-        cache gathers them) builds them only once ``after`` exists, so that the views of all
-        layers are not live at once; this one ignores it.
-        """
-        return self.k[i], self.v[i]
-
-
-@struct.dataclass
-class LatentCache:
-    """Multi-head latent attention's cache: per layer one row per position [B, S, L+R] (the
-    normed kv latent, then the rotated rope key), per-row lengths [B] and ``rope_len``.
-
-    One array serves as both keys and values of the absorbed form (see ``dayzero.model.mla``),
-    so it has one layout, [B,S,C]: the value product reads it as XLA:CPU's fast [B,S,H] value
-    layout; the score product reads it as keys in the slower of the two layouts measured for
-    ``KVCache`` (a copy in the other layout would double the cache).
-
-    ``index_keys``: with sparse attention (DeepSeek-V3.2), per layer the indexer key of each
-    position [B, S, J] (J = ``index_head_dim``); None otherwise.
-    """
-
-    latent: tuple[jax.Array, ...]
-    lengths: jax.Array
-    rope_len: jax.Array
-    index_keys: tuple[jax.Array, ...] | None = None
-
-    @property
-    def max_len(self) -> int:
-        """S, the number of positions each row can hold."""
-        return self.latent[0].shape[1]
-
-    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
-        """Layer ``i``'s cached arrays, as its attention block takes them (``after`` as
-        :meth:`KVCache.layer`'s, ignored here)."""
-        return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
-
-
-def cache_specs(config: ModelConfig, batch: int, max_len: int,
-                kv_quant: KVQuant = KVQuant.NONE) -> KVCache | LatentCache:
-    """The cache declared abstractly: a :class:`ParamSpec` (shape, logical axes) at every leaf.
-
-    Like ``abstract_weights`` for the weights, this one tree gives the cache's shapes
-    (:func:`init_cache`) and its shardings (``dayzero.sharding.rules.weight_shardings``). The
-    latent cache has no head axis, so its positions carry their own logical axis
-    (``latent_seq``) that a strategy may split where per-head caches keep ``cache_seq`` whole.
-    With ``kv_quant`` each buffer is a :class:`QuantizedArray` of stored values and one fp32
-    scale per token and head (per token for latent rows and indexer keys): quantized on write,
-    dequantized on read.
-    """
-    def buffer(shape: tuple[int, ...], axes: tuple[str | None, ...], channel_axis: int):
-        spec = ParamSpec(shape, axes, Init.ZEROS)
-        if kv_quant is KVQuant.NONE:
-            return spec
-        fmt = KV_FORMATS[kv_quant]
-        scale_axes = tuple(None if i == channel_axis else a for i, a in enumerate(axes))
-        scale = ParamSpec(scale_shape(shape, (channel_axis,), None), scale_axes, Init.ONES, jnp.dtype(jnp.float32))
-        return QuantizedArray(dataclasses.replace(spec, dtype=fmt.dtype), scale, fmt, (channel_axis,), None)
-
-    lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
-    rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
-    layers = range(config.num_layers)
-    if config.mla is not None:
-        width = config.mla.kv_lora_rank + config.mla.rope_dim
-        latent = buffer((batch, max_len, width), ("batch", "latent_seq", None), 2)
-        keys = None
-        if config.dsa is not None:
-            key = buffer((batch, max_len, config.dsa.head_dim), ("batch", "latent_seq", None), 2)
-            keys = tuple(key for _ in layers)
-        return LatentCache(latent=tuple(latent for _ in layers), lengths=lengths, rope_len=rope_len, index_keys=keys)
-    K, H = config.num_kv_heads, config.head_dim
-    k = buffer((batch, K, H, max_len), ("batch", "kv_heads", "head_dim", "cache_seq"), 2)
-    v = buffer((batch, K, max_len, H), ("batch", "kv_heads", "cache_seq", "head_dim"), 3)
-    return KVCache(k=tuple(k for _ in layers), v=tuple(v for _ in layers), lengths=lengths, rope_len=rope_len)
-
-
-def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
-               kv_quant: KVQuant = KVQuant.NONE, shardings=None) -> KVCache | LatentCache:
-    """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
-    multi-head latent attention, per-head keys and values otherwise; quantized with
-    ``kv_quant``), placed by ``shardings`` (a matching tree of shardings, e.g. from
-    :func:`cache_specs`) when given."""
-    if shardings is None:
-        return _empty_cache(config, batch, max_len, dtype, kv_quant)
-    # Sharded: made in place on each device (no host copy, and no cross-process transfer when
-    # the mesh spans several processes).
-    return _sharded_cache_maker(shardings)(config, batch, max_len, dtype, kv_quant)
-
-
-def _empty_cache(config: ModelConfig, batch: int, max_len: int, dtype, kv_quant: KVQuant) -> KVCache | LatentCache:
-    def empty(s: ParamSpec) -> jax.Array:
-        fill = jnp.ones if s.init is Init.ONES else jnp.zeros
-        return fill(s.shape, s.dtype or dtype)
-
-    return map_specs(empty, cache_specs(config, batch, max_len, kv_quant))
-
-
-@functools.lru_cache(maxsize=64)
-def _sharded_cache_maker(shardings):
-    # One jitted maker per sharding tree, so a second request of the same shape does not compile.
-    return jax.jit(_empty_cache, static_argnums=(0, 1, 2, 3, 4), out_shardings=shardings)
+from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:
@@ -276,9 +140,11 @@ def attention_block(
         out, new = layer_cache.attend(q, k, v)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
+        # The new keys/values as the cache will hold them (quantized round trip), read beside it.
+        k_read, v_read = as_stored(k, k_cache), as_stored(v, v_cache)
         if k_cache is not None:
             k_cache, v_cache = dequantized(k_cache, q.dtype), dequantized(v_cache, q.dtype)
-        out, new = attend(q, k_cache, v_cache, k, v, masks, keys_token_major), (k, v)
+        out, new = attend(q, k_cache, v_cache, k_read, v_read, masks, keys_token_major), (k, v)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
@@ -332,32 +198,11 @@ def output_logits(weights: Weights, x: jax.Array) -> jax.Array:
     return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
 
 
-@struct.dataclass
-class NewKV:
-    """What one ``forward`` call adds to the cache: per-layer keys/values [B,T,K,H]."""
-
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
-    num_new: jax.Array  # [B] real tokens per row
-    rope_len: jax.Array  # the cache's new ``rope_len``
-
-
-@struct.dataclass
-class NewLatent:
-    """What one ``forward`` call adds to a :class:`LatentCache`: per-layer latent rows [B,T,L+R]
-    (and indexer keys [B,T,J] with sparse attention)."""
-
-    latent: tuple[jax.Array, ...]
-    num_new: jax.Array  # [B] real tokens per row
-    rope_len: jax.Array  # the cache's new ``rope_len``
-    index_keys: tuple[jax.Array, ...] | None = None
-
-
 def forward(
     weights: Weights,
     config: ModelConfig,
     tokens: jax.Array,
-    cache: KVCache | LatentCache | PagedKernelCache | None = None,
+    cache: CacheView | None = None,
     num_new: jax.Array | None = None,
     all_logits: bool = False,
     hidden_out: list | None = None,
@@ -368,20 +213,19 @@ def forward(
 
     ``num_new`` [B] is how many of the T tokens of each row are real (default: all T).
     Returns fp32 logits [B,T,V] if ``all_logits`` else the logits of each row's last real token
-    [B,V], and the new keys/values to pass to :func:`append_to_cache`. ``hidden_out``, when
+    [B,V], and the new keys/values to pass to ``cache.append_to_cache``. ``hidden_out``, when
     given a list, receives each decoder layer's output (for layer-by-layer comparison).
     A first prefill should pass ``cache=None`` rather than an empty cache: reading an empty
     cache costs as much attention work as a full one. ``parallel`` (on a mesh): MoE blocks
     dispatch tokens to the devices owning their experts when the experts are split, latent
     attention works on each device's slice of a split latent cache (``dayzero.model.parallel``).
     ``kernels`` (a resolved mode): with ``cache`` None and a Pallas mode, the new tokens attend
-    to each other on the kernels (``dayzero.model.kernel_attention``). A
+    to each other on the kernels (``dayzero.model.kernel_attention``; on a mesh, per device
+    inside ``shard_map`` over the head split). A
     :class:`~dayzero.model.kernel_attention.PagedKernelCache` (a step on the paged kernels,
     which carries its own mode) is returned written, in place of the new keys/values.
     """
     B, T = tokens.shape
-    if parallel is not None and (kernels is not KernelMode.REFERENCE or isinstance(cache, PagedKernelCache)):
-        raise ValueError("the Pallas kernels run on one device, not on a mesh; use kernels=reference there")
     if num_new is None:
         num_new = jnp.full((B,), T, jnp.int32)
     if cache is None:
@@ -396,14 +240,14 @@ def forward(
         for window in set(config.sliding_windows)
     }
     x = jnp.take(weights.embed, tokens, axis=0)
-    token_major = getattr(cache, "keys_token_major", False)
+    token_major = cache is not None and cache.keys_token_major
     new = []  # per layer, what it adds to the cache
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
         if cache is not None:
             layer_cache = cache.layer(i, after=x)
         elif kernels is not KernelMode.REFERENCE:
-            layer_cache = NewTokensLayer(num_new, kernels, config.sliding_windows[i])
+            layer_cache = NewTokensLayer(num_new, kernels, config.sliding_windows[i], HeadSplit.of(parallel))
         else:
             layer_cache = None
         x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel, token_major)
@@ -423,39 +267,3 @@ def forward(
         keys = None if config.dsa is None else tuple(n[1] for n in new)
         return logits, NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len, index_keys=keys)
     return logits, NewKV(k=tuple(n[0] for n in new), v=tuple(n[1] for n in new), num_new=num_new, rope_len=rope_len)
-
-
-def _write_rows(buffer: jax.Array, new: jax.Array, starts: jax.Array, seq_axis: int) -> jax.Array:
-    """Write ``new`` (already in the buffer's layout) into ``buffer`` at per-row start positions
-    (quantized first, values and scales written alike, when the buffer is quantized)."""
-    if isinstance(buffer, QuantizedArray):
-        q = quantize_like(new, buffer)
-        return buffer.replace(values=_write_rows(buffer.values, q.values, starts, seq_axis),
-                              scale=_write_rows(buffer.scale, q.scale, starts, seq_axis))
-    new = new.astype(buffer.dtype)
-    if buffer.shape[0] == 1:  # a plain in-place update; the batched form lowers to a scatter
-        return jax.lax.dynamic_update_slice_in_dim(buffer, new, starts[0], axis=seq_axis)
-
-    def write_one(buf, x, start):
-        return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=seq_axis - 1)
-
-    return jax.vmap(write_one)(buffer, new, starts)
-
-
-def append_to_cache(cache: KVCache | LatentCache, new: NewKV | NewLatent) -> KVCache | LatentCache:
-    """Write the keys/values (or latent rows) of one ``forward`` call at each row's length and
-    advance lengths.
-
-    Jit it with the cache donated (and apart from ``forward``, see the module docstring). The
-    cache must have room: ``max(lengths) + T <= max_len``, or the write would be clamped.
-    """
-    starts = cache.lengths
-    if isinstance(cache, LatentCache):
-        latent = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.latent, new.latent))
-        keys = None
-        if cache.index_keys is not None:
-            keys = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.index_keys, new.index_keys))
-        return LatentCache(latent=latent, lengths=starts + new.num_new, rope_len=new.rope_len, index_keys=keys)
-    k = tuple(_write_rows(c, n.transpose(0, 2, 3, 1), starts, 3) for c, n in zip(cache.k, new.k))
-    v = tuple(_write_rows(c, n.transpose(0, 2, 1, 3), starts, 2) for c, n in zip(cache.v, new.v))
-    return KVCache(k=k, v=v, lengths=starts + new.num_new, rope_len=new.rope_len)

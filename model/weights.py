@@ -6,14 +6,16 @@ logical axes, initializer). Everything else is derived from it: random init, the
 
 ``abstract_weights(config, quant)`` puts a :class:`~dayzero.model.quant.QuantizedArray` of two
 specs (stored values, float32 scale) in place of each projection the scheme quantizes, so the
-same derivations cover quantized checkpoints.
+same derivations cover quantized checkpoints. On a mesh, ``mesh_aligned_specs`` and
+``aligned_weights`` give block-scaled leaves scales that split with their values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,7 @@ from flax import struct
 
 from dayzero.model.config import ModelConfig
 from dayzero.model.quant import (
-    INT4_GROUP, QuantConfig, QuantizedArray, ValueFormat, WeightQuant, quantize, scale_shape,
+    INT4_GROUP, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant, quantize, reblocked, scale_shape,
 )
 
 
@@ -366,3 +368,112 @@ def init_weights(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: fl
 def parameter_count(specs: Any) -> int:
     """Total number of parameters in a spec tree (a quantized one counts its float parameters)."""
     return int(sum(np.prod(s.shape) for s in jax.tree.leaves(float_specs(specs), is_leaf=is_spec)))
+
+
+# ---- quantized weights on a mesh ----------------------------------------------------------------
+#
+# A channel-layout scale (one per output channel) carries its values' logical axes except on the
+# contracted ones, where it has size 1 (``_quantized_spec``): it is split exactly like its values
+# on any mesh. A block-layout scale [*batch, ceil(In/bi), ceil(Out/bo)] is declared with its batch
+# (expert) axes only, i.e. whole on every device: right under GSPMD whatever the mesh, but each
+# device then holds every block's scale, and inside a ``shard_map`` (the expert-parallel MoE) the
+# local values would be read with the scales of the first blocks. ``mesh_aligned_specs`` splits
+# the scale with its values instead, re-blocking (exactly, ``quant.reblocked``) where a value shard
+# would start inside a block.
+
+AxisSizes = Mapping[str, int] | Callable[[str], int]
+
+
+def axis_sizes(placement: Any) -> dict[str, int]:
+    """How many ways ``placement`` (a ``dayzero.sharding.placement.Placement``; None: one device)
+    splits each logical axis: the ``sizes`` of :func:`mesh_aligned_specs`."""
+    from dayzero.sharding.rules import LOGICAL_AXES
+
+    if placement is None:
+        return {}
+    mesh_axes = {a: placement.rules.mesh_axis(a) for a in LOGICAL_AXES}
+    return {a: int(placement.axes.get(m, 1)) if m is not None else 1 for a, m in mesh_axes.items()}
+
+
+def _ways(sizes: AxisSizes) -> Callable[[str | None], int]:
+    get = sizes if callable(sizes) else (lambda a: sizes.get(a, 1))
+    return lambda a: 1 if a is None else int(get(a))
+
+
+def _dim_split(n: int, ways: int) -> int:
+    # As dayzero.sharding.rules.spec_for: a dimension its mesh axis does not divide stays whole.
+    return ways if ways > 1 and n % ways == 0 else 1
+
+
+def aligned_block(shape: tuple[int, ...], axes: tuple[str | None, ...], in_axes: tuple[int, ...],
+                  block: tuple[int, int], sizes: AxisSizes) -> tuple[tuple[int, int], tuple[str | None, str | None]]:
+    """The block, and the logical axes of the scale's (In, Out) dimensions, that split a
+    block-layout weight's scale with its values when ``sizes`` (logical axis -> ways split) lay it
+    out; (``block``, (None, None)) where nothing is split.
+
+    Per group (In, then Out) of the matrix view [*batch, In, Out]: when its major-most axis alone is
+    split t ways, block b becomes b' = gcd(b, n / t) (n: the flattened group size, n / t: one
+    shard's width) and the scale dimension takes that axis's name. Alignment: the shard s holds
+    the contiguous columns [s n/t, (s+1) n/t) of the flattened group (only its major axis is cut);
+    b' divides n/t and so n, so the re-blocked scale has exactly n / b' = t (n/t) / b' entries
+    (no partial block is left), which the same t-way split of the scale dimension hands out as
+    [s (n/t)/b', (s+1) (n/t)/b'): exactly the fine blocks covering shard s's columns. b' divides b,
+    so ``quant.reblocked`` gives those fine blocks their coarse block's scale exactly, partial
+    coarse blocks included (e.g. n = 576 = 4.5 x 128 over t = 4: shards of 144, b' = 16, the
+    partial block [512, 576) becomes 4 whole fine ones). The scale dimension n / b' is a multiple
+    of t, so ``spec_for`` splits it over the same mesh axis as the values.
+
+    When a minor axis of a group is split, a shard's columns are strided in the flattened group and
+    no split of the scale dimension matches them: the scale stays whole (correct under GSPMD, which
+    is the only place such a leaf is split).
+    """
+    ways = _ways(sizes)
+    first, last = in_axes[0], in_axes[-1]
+    blocks, scale_axes = [], []
+    for dims, b in zip((range(first, last + 1), range(last + 1, len(shape))), block):
+        splits = [_dim_split(shape[d], ways(axes[d])) for d in dims]
+        if not splits or splits[0] == 1 or any(t > 1 for t in splits[1:]):
+            blocks.append(b)
+            scale_axes.append(None)
+            continue
+        width = math.prod(shape[d] for d in dims) // splits[0]
+        blocks.append(math.gcd(b, width))
+        scale_axes.append(axes[dims[0]])
+    return tuple(blocks), tuple(scale_axes)
+
+
+def mesh_aligned_specs(specs: Any, sizes: AxisSizes) -> Any:
+    """``specs`` (``abstract_weights(config, quant)``) for a mesh that splits each logical axis
+    ``sizes`` ways (a mapping or a callable, e.g. :func:`axis_sizes` of a placement): each
+    block-layout leaf gets the block and scale axes of :func:`aligned_block`, so that its scale
+    splits with its values. Channel-layout and float leaves are returned as they are (a
+    channel-layout scale already splits with its values). Idempotent; ``sizes`` of one device
+    return ``specs`` unchanged."""
+    def one(s):
+        if not isinstance(s, QuantizedArray) or s.block is None:
+            return s
+        block, (in_axis, out_axis) = aligned_block(s.values.shape, s.values.axes, s.in_axes, s.block, sizes)
+        batch = s.scale.axes[: len(s.scale.axes) - 2]
+        scale = dataclasses.replace(s.scale, shape=scale_shape(s.values.shape, s.in_axes, block),
+                                    axes=(*batch, in_axis, out_axis))
+        return s.replace(scale=scale, block=block)
+    return jax.tree.map(one, specs, is_leaf=is_spec_node)
+
+
+def aligned_weights(weights: Any, specs: Any) -> Any:
+    """``weights`` with each block-layout leaf re-blocked exactly (``quant.reblocked``, values
+    unchanged) to its block in ``specs`` (from :func:`mesh_aligned_specs`); every other leaf is
+    kept. Raises :class:`QuantError` naming the leaf where a stored block is not a multiple of the
+    one ``specs`` ask for (the weights were quantized with another block than ``specs``)."""
+    def one(path, spec, w):
+        if not (isinstance(spec, QuantizedArray) and isinstance(w, QuantizedArray)) or spec.block == w.block:
+            return w
+        if spec.block is None or w.block is None:
+            raise QuantError(f"{leaf_path(path)}: stored with block {w.block}, the specs ask for {spec.block}; "
+                             "derive the specs from the checkpoint's own quantization")
+        try:
+            return reblocked(w, spec.block)
+        except QuantError as e:
+            raise QuantError(f"{leaf_path(path)}: {e}; derive the specs from the checkpoint's own quantization "
+                             "(its QuantConfig block)") from None
+    return jax.tree_util.tree_map_with_path(one, specs, weights, is_leaf=is_spec_node)

@@ -156,7 +156,8 @@ def _incremental_logits(config, weights, ids, prefill: int):
     import jax.numpy as jnp
     import numpy as np
 
-    from dayzero.model.transformer import append_to_cache, forward, init_cache
+    from dayzero.model.transformer import forward
+    from dayzero.model.cache import append_to_cache, init_cache
 
     step = jax.jit(forward, static_argnums=(1,))
     append = jax.jit(append_to_cache)

@@ -19,7 +19,8 @@ from transformers import (
 )
 
 from dayzero.convert import ConvertError, convert_checkpoint, load_checkpoint
-from dayzero.model.transformer import forward, init_cache
+from dayzero.model.transformer import forward
+from dayzero.model.cache import init_cache
 from dayzero.model.weights import named_leaves
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -33,10 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
 
 
-def run_part(part: str, *args: str, timeout: int = 300) -> dict:
-    """Run one part below in a fresh interpreter with 8 CPU devices; return its JSON result."""
+def run_part(part: str, *args: str, timeout: int = 300, module: str = "tests.mesh_checks") -> dict:
+    """Run one part below (or of ``module``) in a fresh interpreter with 8 CPU devices; return its
+    JSON result."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", "tests.mesh_checks", part, *map(str, args)], env=env, cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", module, part, *map(str, args)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -144,7 +145,7 @@ def gathered_shapes(engine: Engine, batch: int, max_len: int) -> list[str]:
 
     from dayzero.engine.sampling import batch_sampling
 
-    from dayzero.model.transformer import init_cache
+    from dayzero.model.cache import init_cache
 
     cache = init_cache(engine.config, batch, max_len, jnp.float32, shardings=engine._cache_shardings(batch, max_len))
     mode, rows = batch_sampling([SamplingParams()] * batch)

@@ -147,8 +147,6 @@ GENERATE_ERRORS = {
     "past_context": (["--prompt-ids", "1,2", "--max-new-tokens", "1000"], ["1000", "256"]),
     "mesh_tensor_2": (["--prompt-ids", "1,2", "--mesh", "tensor=2"], ["tensor=2"]),
     "mesh_bad_axis": (["--prompt-ids", "1,2", "--mesh", "pipeline=2"], ["pipeline=2"]),
-    "kernels_pallas_interpret_on_mesh": (["--prompt-ids", "1,2", "--kernels", "pallas_interpret", "--mesh", "data=1"],
-                                         ["pallas_interpret", "--mesh"]),
     "logprobs_without_json": (["--prompt-ids", "1,2", "--logprobs"], ["--json"]),
     "chat_with_ids": (["--prompt-ids", "1,2", "--chat"], ["chat"]),
     "partial_multihost": (["--prompt-ids", "1,2", "--num-processes", "2"], ["--coordinator"]),
@@ -199,20 +197,21 @@ def test_generate_kernels_pallas_interpret_streams_text(tiny_model, tiny_engine,
     assert out == tiny_engine.generate("hi", max_new_tokens=3).text + "\n"
 
 
-def test_generate_kernels_with_a_quantized_kv_cache(tiny_model, capsys, monkeypatch):
-    """The kernels serve an unquantized paged cache: an explicit kernel mode with --kv-cache int8
-    is a one-line error; ``auto``, where it would mean pallas, takes the reference path."""
-    argv = ["generate", "--model", tiny_model.dir, "--prompt-ids", "1,2", "--max-new-tokens", "2", "--json",
-            "--kv-cache", "int8"]
-    rc, out, err = _run([*argv, "--kernels", "pallas_interpret"], capsys)
-    _assert_one_line_error(rc, out, err, "--kv-cache int8", "--kernels reference")
-    from dayzero.kernels import mode
-
-    monkeypatch.setattr(mode, "current_platform", lambda: "gpu")
-    rc, out, err = _run([*argv, "--kernels", "auto"], capsys)
-    assert rc == 0, err
-    assert json.loads(out)["kernels"] == {"requested": "auto", "resolved": "reference", "platform": "gpu",
-                                          "backend": "xla"}
+def test_generate_kernels_with_a_quantized_kv_cache(tiny_model, capsys):
+    """The kernels read int8 pages with their scale pages: --kernels pallas_interpret --kv-cache int8
+    runs, reports the resolved configuration, and gives the reference path's tokens and logprobs."""
+    argv = ["generate", "--model", tiny_model.dir, "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", "6", "--json",
+            "--logprobs", "--kv-cache", "int8"]
+    outs = {}
+    for kernels in ("pallas_interpret", "reference"):
+        rc, out, err = _run([*argv, "--kernels", kernels], capsys)
+        assert rc == 0, err
+        outs[kernels] = json.loads(out)
+    got, ref = outs["pallas_interpret"], outs["reference"]
+    assert got["run"]["kernels"] == "pallas_interpret" and got["run"]["kv_cache"] == "int8"
+    assert got["kernels"]["resolved"] == "pallas_interpret"
+    assert got["token_ids"] == ref["token_ids"]
+    np.testing.assert_allclose(got["logprobs"], ref["logprobs"], atol=2e-5)
 
 
 def test_generate_huge_seed_is_not_a_traceback(tiny_model, capsys):

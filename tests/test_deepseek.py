@@ -31,7 +31,7 @@ from dayzero.convert import ConvertError, convert_checkpoint, load_checkpoint
 from dayzero.convert.fp8 import dequantize_blocks
 from dayzero.model.config import AttentionKind, ConfigError, Family, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
-from dayzero.model.transformer import LatentCache, init_cache
+from dayzero.model.cache import LatentCache, init_cache
 from tests.hf_helpers import (
     MIN_ROUTER_GAP, REL_TOL, all_logits, assert_change_is_effective, assert_logits_match, assert_same_weights,
     assert_steps_match_full, convert_case, copy_hf_checkpoint, greedy_vs_hf, hf_greedy, hf_logits, hf_model, random_ids,

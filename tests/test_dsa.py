@@ -33,7 +33,8 @@ from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.mla import LORA_NORM_EPS
 from dayzero.model.norm import rms_norm
 from dayzero.model.rope import rope_cos_sin
-from dayzero.model.transformer import LatentCache, append_to_cache, attention_masks, forward, init_cache
+from dayzero.model.transformer import attention_masks, forward
+from dayzero.model.cache import LatentCache, append_to_cache, init_cache
 from tests.hf_helpers import (
     MIN_ROUTER_GAP, assert_change_is_effective, assert_logits_match, assert_steps_match_full, convert_case, forward_jit,
     greedy_vs_hf, hf_greedy, hf_model, random_ids,

@@ -56,6 +56,42 @@ def test_two_processes_match_one_device(model_dir, capsys):
     assert "[1] " in proc.stderr  # the second process ran, its stderr prefixed
 
 
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """A tiny Qwen3-MoE (8 experts, top 2, 4 query and 4 kv heads) converted with int8 weights."""
+    import transformers
+
+    from dayzero.convert import convert_checkpoint
+    from tests.conftest import TINY
+    from tests.hf_helpers import hf_model
+
+    config = transformers.Qwen3MoeConfig(**{**TINY, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+                                            "num_experts": 8, "norm_topk_prob": True, "head_dim": 16})
+    root = tmp_path_factory.mktemp("multihost_moe")
+    hf_model(config, seed=0).save_pretrained(root / "hf")
+    convert_checkpoint(root / "hf", root / "dz", progress=False, quantize="int8")
+    return root / "dz"
+
+
+def test_two_processes_serve_quantized_moe_on_kernels(moe_dir, capsys):
+    """Everything at once over two processes x four devices: int8 weights, expert parallelism
+    (tensor=2 x expert=4), an int8 KV cache and the kernels (interpreted) reading its pages inside
+    shard_map, generation on the paged serving path; the tokens of one process on one device with
+    the same settings."""
+    run = ["--kv-cache", "int8", "--kernels", "pallas_interpret"]
+    assert main([*_generate_args(moe_dir), *run]) == 0
+    one = json.loads(capsys.readouterr().out)
+    cmd = _dayzero("launch-local", "--processes", 2, "--devices-per-process", 4, "--",
+                   *_generate_args(moe_dir), *run, "--mesh", "tensor=2,expert=4")
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert two["run"]["mesh"] == {"tensor": 2, "expert": 4} and two["run"]["quantize"] == "int8"
+    assert two["run"]["kernels"] == "pallas_interpret" and two["run"]["kv_cache"] == "int8"
+    assert two["token_ids"] == one["token_ids"] and len(one["token_ids"]) == NEW
+    assert max(abs(a - b) for a, b in zip(two["logprobs"], one["logprobs"])) < 1e-4
+
+
 def test_killed_process_stops_the_run(model_dir):
     # A long benchmark on a mesh spanning both processes: they are in collectives together when
     # process 1 dies, which is where a survivor would otherwise wait.

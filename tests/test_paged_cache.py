@@ -16,7 +16,8 @@ import pytest
 
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.paged_cache import PagedKVCache, PagedLatentCache, append_to_pages, init_paged_cache, page_slots
-from dayzero.model.transformer import append_to_cache, forward, init_cache
+from dayzero.model.transformer import forward
+from dayzero.model.cache import append_to_cache, init_cache
 from dayzero.model.weights import abstract_weights, init_weights
 
 PAGE, POOL, WIDTH = 4, 40, 12

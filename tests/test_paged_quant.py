@@ -20,13 +20,12 @@ import numpy as np
 import pytest
 
 import dayzero.engine.generate as generate_module
-import dayzero.kernels.mode as kernel_mode_module
-from dayzero.engine import Engine, GenerationError
+from dayzero.engine import Engine
 from dayzero.engine.serving import ServingConfig, ServingEngine
 from dayzero.kernels import KernelMode
-from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view
+from dayzero.model.paged_cache import append_to_pages, init_paged_cache
 from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, dequantized, quantize
-from dayzero.model.transformer import NewKV
+from dayzero.model.cache import NewKV
 from tests.serving_models import FAMILIES, prompt, random_engine
 
 # One slot (the second request then hits the first's cached prefix), chunks of 16, context 64.
@@ -106,25 +105,23 @@ def test_pool_bytes(kv_cache):
         assert _pool_bytes(family, "none") == unquantized[family], family
 
 
-def test_auto_kernels_mean_reference_with_quantized_pages(monkeypatch):
-    """Where ``auto`` means the Pallas kernels (patched in for this CPU test), a quantized cache
-    still resolves to reference; an unquantized one does not."""
-    monkeypatch.setitem(kernel_mode_module.AUTO_DEFAULTS, "cpu", KernelMode.PALLAS_INTERPRET)
-    monkeypatch.setitem(kernel_mode_module.AUTO_DEFAULTS, "gpu", KernelMode.PALLAS_INTERPRET)
-    config = _engine("dense", "none").config
-    auto = dataclasses.replace(SERVING, kernels="auto")
-    assert auto.resolve(config).kernels is KernelMode.PALLAS_INTERPRET
-    for scheme in (KVQuant.INT8, KVQuant.FP8):
-        assert auto.resolve(config, scheme).kernels is KernelMode.REFERENCE
-    assert ServingEngine(_engine("dense", "fp8"), auto).config.kernels is KernelMode.REFERENCE
-
-
-@pytest.mark.parametrize("kernels", ["pallas_interpret", "pallas"])
-def test_explicit_kernels_with_quantized_pages_are_refused(kernels):
-    """The kernels read unquantized pages: asking for them with a quantized cache names both."""
-    engine = _engine("dense", "int8")
-    with pytest.raises(GenerationError, match=f"kernels={kernels} .*kv_cache=int8.*reference"):
-        ServingEngine(engine, dataclasses.replace(SERVING, kernels=kernels))
+@pytest.mark.parametrize("family, kv_cache", [("dense", KVQuant.INT8), ("window", KVQuant.FP8),
+                                               ("latent", KVQuant.INT8), ("sparse", KVQuant.FP8)])
+def test_quantized_pages_on_the_kernels(family, kv_cache):
+    """The kernels read int8/fp8 pages with their scale pages in place: served tokens and logprobs
+    equal the reference path's over the same quantized pages (every path reads a step's own new
+    keys as the pages store them, ``quant.as_stored``), so a misread page or scale, which moves
+    logprobs by O(0.1), fails here."""
+    engine = _engine(family, kv_cache.value)
+    prompts = [prompt(19, 1), prompt(7, 2), prompt(26, 3)]
+    outs = {}
+    for kernels in ("reference", "pallas_interpret"):
+        server = ServingEngine(engine, dataclasses.replace(SERVING, kernels=kernels))
+        assert server.config.kernels.value == kernels
+        outs[kernels] = server.run(prompts, max_new_tokens=5, ignore_eos=True, logprobs=True)
+    for ref, got in zip(outs["reference"], outs["pallas_interpret"]):
+        assert got.token_ids == ref.token_ids
+        np.testing.assert_allclose(got.logprobs, ref.logprobs, atol=2e-5)
 
 
 @pytest.mark.parametrize("kv_cache", [KVQuant.INT8, KVQuant.FP8])
@@ -150,10 +147,3 @@ def test_page_writes_quantize_each_row(kv_cache):
         np.testing.assert_array_equal(got[1, :3], expected[1, :3])
         np.testing.assert_array_equal(got[1, 3:], 0)  # never written: zero values, scale 1
     np.testing.assert_array_equal(np.asarray(cache.k_pages[0].values[:, 2]), 0)  # a page no table lists
-
-
-def test_kernel_view_refuses_quantized_pages():
-    config = _engine("dense", "none").config
-    cache = init_paged_cache(config, 4, 8, kv_quant=KVQuant.INT8)
-    with pytest.raises(ValueError, match="pallas_interpret kernels read unquantized pages.*int8"):
-        kernel_view(cache, jnp.ones((1,), jnp.int32), KernelMode.PALLAS_INTERPRET, (None,) * config.num_layers)

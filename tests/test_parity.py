@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from dayzero.engine import Engine
-from dayzero.model.transformer import init_cache
+from dayzero.model.cache import init_cache
 from tests.hf_helpers import (
     REL_TOL, STEP_REL_TOL, assert_change_is_effective, assert_logits_match, assert_steps_match_full, convert_case,
     forward_jit, greedy_vs_hf, hf_logits, random_ids,

@@ -218,7 +218,8 @@ import json
 import jax, jax.numpy as jnp, numpy as np
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.parallel import Parallel
-from dayzero.model.transformer import cache_specs, forward, init_cache
+from dayzero.model.transformer import forward
+from dayzero.model.cache import cache_specs, init_cache
 from dayzero.model.weights import abstract_weights, init_weights
 from dayzero.sharding.placement import placement_for
 

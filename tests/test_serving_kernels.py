@@ -20,9 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dayzero.engine import Engine, GenerationError
+from dayzero.engine import Engine
 from dayzero.engine.serving import ServingConfig, ServingEngine
-from dayzero.kernels import KernelError, KernelMode
+from dayzero.engine.runtime import RunConfigError
+from dayzero.kernels import KernelMode
 from dayzero.model.transformer import forward
 from tests.serving_models import DSA, FAMILIES, LATENT, prompt, random_engine
 
@@ -95,7 +96,7 @@ def test_auto_resolves_to_reference_on_cpu(tiny_engine):
 def test_pallas_on_cpu_is_refused(tiny_engine):
     if jax.default_backend() != "cpu":
         pytest.skip("pallas runs on GPU")
-    with pytest.raises(KernelError, match="pallas_interpret"):
+    with pytest.raises(RunConfigError, match="pallas_interpret"):
         ServingEngine(tiny_engine, dataclasses.replace(SERVING, kernels="pallas"))
 
 
@@ -141,13 +142,3 @@ def test_chunked_prefill_and_prefix_hit_on_kernels(family):
     for ref, out in zip(outs["reference"], outs["pallas_interpret"]):
         assert out.token_ids == ref.token_ids
         np.testing.assert_allclose(out.logprobs, ref.logprobs, **LOGPROB_TOL)
-
-
-def test_quantized_kv_cache_serves_on_reference(tiny_engine):
-    """The kernels read unquantized pages: an engine loaded with a quantized KV cache serves on the
-    reference path over quantized pages (``auto``), and an explicit kernel mode is refused naming
-    both (tests/test_paged_quant.py checks what it serves)."""
-    engine = Engine(tiny_engine.config, tiny_engine.weights, kv_cache="int8")
-    assert ServingEngine(engine, SERVING).config.kernels is KernelMode.REFERENCE
-    with pytest.raises(GenerationError, match="kernels=pallas_interpret .*kv_cache=int8"):
-        ServingEngine(engine, dataclasses.replace(SERVING, kernels="pallas_interpret"))

@@ -84,7 +84,7 @@ def test_cache_specs_resolve_per_strategy():
     from dataclasses import replace
 
     from dayzero.model.config import AttentionKind, MLAConfig
-    from dayzero.model.transformer import cache_specs, init_cache
+    from dayzero.model.cache import cache_specs, init_cache
     from dayzero.model.weights import is_spec
 
     resolve = lambda specs, rules, mesh: jax.tree.map(  # noqa: E731
@@ -171,17 +171,17 @@ def test_expert_parallel_capacity_policy():
 def test_engine_refuses_meshes_the_model_cannot_use():
     from dataclasses import replace
 
-    from dayzero.engine.generate import check_placement
+    from dayzero.engine.runtime import RunConfigError, check_placement
     from dayzero.model.config import MoEConfig
 
     class Axes:
         def __init__(self, **sizes):
             self.axes = {"data": 1, "tensor": 1, "expert": 1, **sizes}
 
-    with pytest.raises(MeshError, match="expert=4 needs a Mixture-of-Experts model"):
+    with pytest.raises(RunConfigError, match="expert=4 needs a Mixture-of-Experts model"):
         check_placement(_tiny_config(), Axes(expert=4))
     moe = MoEConfig(num_experts=6, experts_per_token=2, intermediate_size=32, layers=(True, True))
-    with pytest.raises(MeshError, match="6 experts do not split evenly"):
+    with pytest.raises(RunConfigError, match="6 experts do not split evenly"):
         check_placement(replace(_tiny_config(), moe=moe), Axes(expert=4))
     check_placement(_tiny_config(), Axes(tensor=8))  # any dense model runs tensor-parallel
 

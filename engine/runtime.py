@@ -1,0 +1,225 @@
+"""The run configuration: every runtime option of an engine, resolved and checked in one place.
+
+An engine runs a model with a compute dtype, a weight storage (float or quantized), a KV-cache
+storage, an attention implementation (``--kernels``), a placement on a device mesh and the
+options of the expert-parallel MoE dispatch. Each of those is decided here, once, when the
+engine is built (:func:`resolve_run`, called by ``Engine.load`` and ``Engine(...)``); the CLI, the
+Python API and the serving engine all go through it, and the forward pass and the caches only
+read what it decided.
+
+A combination that cannot run is refused here with one :class:`RunConfigError` sentence naming
+the option and what to do. What runs (every combination not listed below):
+
+- quantized weights (int8, fp8, fp8-block, int4 experts) on one device and on every mesh;
+- a quantized KV cache (int8, fp8) on the reference path and on the kernels, which read the
+  scale pages themselves;
+- the kernels on a mesh: each kernel call runs inside ``shard_map`` over the heads' ``tensor``
+  split (and the rows' ``data`` split), so the pages never move.
+
+What is refused (:func:`resolve_run` raises):
+
+- ``--kernels pallas`` off a GPU (``pallas_interpret`` runs the same kernels anywhere);
+- the kernels on a mesh whose ``tensor`` size does not divide the query heads, or (GQA) the kv
+  heads: each device's kernel must see whole kv heads with all their query heads;
+- a weight scheme that differs from the one a checkpoint is stored in;
+- ``--mesh expert=N`` on a model without experts, or with an expert count N does not divide
+  (and ``data`` x ``expert`` meshes, which have no rules table; see ``sharding.placement``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from dayzero.kernels import KernelError, KernelMode, describe
+from dayzero.kernels.mode import resolve_mode
+from dayzero.model.config import ModelConfig
+from dayzero.model.moe import GroupedMatmul
+from dayzero.model.moe_parallel import check_expert_parallel
+from dayzero.model.parallel import Parallel
+from dayzero.model.quant import (KVQuant, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant,
+                                 parse_kv_quant, parse_weight_quant)
+from dayzero.sharding.placement import Placement
+
+
+class RunConfigError(ValueError):
+    """A runtime option, or a combination of them, that this engine cannot run; the message
+    names the option and what to use instead."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Every runtime option of an engine, resolved (no ``auto`` left) and checked together.
+
+    ``dtype``: the compute (and float weight) dtype. ``weights``: how the weights are stored
+    (``stored`` in the checkpoint, or quantized at load); ``quant``: that scheme with its block.
+    ``kv_cache``: how the KV cache (contiguous or paged) is stored. ``kernels``: how attention
+    runs (reference, pallas, pallas_interpret). ``placement``: the mesh and its rules (None: one
+    device). ``capacity_factor`` / ``grouped_matmul``: the MoE dispatch (see ``model.parallel``).
+    ``requested``: the options as they were asked for (``auto`` included), for reports.
+    """
+
+    dtype: Any
+    quant: QuantConfig
+    kv_cache: KVQuant
+    kernels: KernelMode
+    placement: Placement | None = None
+    capacity_factor: float | None = None
+    grouped_matmul: GroupedMatmul | None = None
+    requested: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def weights(self) -> WeightQuant:
+        """The weight storage scheme."""
+        return self.quant.weights
+
+    @property
+    def parallel(self) -> Parallel | None:
+        """The mesh options the hand-written parallel blocks take (None on one device)."""
+        if self.placement is None:
+            return None
+        return Parallel(self.placement, self.capacity_factor, self.grouped_matmul)
+
+    @property
+    def on_kernels(self) -> bool:
+        """Whether attention runs on the Pallas kernels (pallas or pallas_interpret)."""
+        return self.kernels is not KernelMode.REFERENCE
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved configuration as JSON (``generate --json``'s ``"run"`` object)."""
+        mesh = None if self.placement is None else {a: s for a, s in self.placement.axes.items() if s > 1}
+        return {
+            "dtype": jnp.dtype(self.dtype).name,
+            "quantize": self.weights.value,
+            "weight_block": list(self.quant.block) if self.weights is WeightQuant.FP8_BLOCK else None,
+            "kv_cache": self.kv_cache.value,
+            "kernels": self.kernels.value,
+            "mesh": mesh,
+            "rules": None if self.placement is None else self.placement.rules.name,
+            "moe_capacity_factor": self.capacity_factor,
+            "grouped_matmul": None if self.grouped_matmul is None else self.grouped_matmul.value,
+            "requested": dict(self.requested),
+        }
+
+
+def default_dtype() -> jnp.dtype:
+    """fp32 on CPU (XLA:CPU bf16 matvecs are ~20x slower), bf16 on accelerators."""
+    return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+
+
+def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant | str | None = None,
+                stored: QuantConfig = QuantConfig(), kv_cache: KVQuant | str | None = None,
+                kernels: KernelMode | str | None = None, placement: Placement | None = None,
+                capacity_factor: float | None = None,
+                grouped_matmul: GroupedMatmul | str | None = None) -> RunConfig:
+    """The :class:`RunConfig` for ``model`` with these options (None / "auto": the platform's
+    choice); ``stored``: how the checkpoint's weights are stored. Raises :class:`RunConfigError`
+    for an unknown value or a combination that cannot run (see the module docstring)."""
+    requested = dict(dtype="auto" if dtype is None else jnp.dtype(dtype).name,
+                     quantize=_spelled(quantize), kv_cache=_spelled(kv_cache), kernels=_spelled(kernels))
+    try:
+        quant = _weight_storage(quantize, stored)
+        kv = parse_kv_quant(kv_cache)
+        mode = resolve_mode(KernelMode.AUTO if kernels is None else kernels)
+        matmul = None if grouped_matmul is None else GroupedMatmul(grouped_matmul)
+    except (QuantError, KernelError) as e:
+        raise RunConfigError(str(e)) from None
+    except ValueError:
+        choices = ", ".join(g.value for g in GroupedMatmul)
+        raise RunConfigError(f"grouped_matmul {grouped_matmul!r} is unknown; choose one of {choices}") from None
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise RunConfigError(f"capacity_factor {capacity_factor} must be > 0 (or None for no dropped tokens)")
+    if placement is not None:
+        check_placement(model, placement)
+        if mode is not KernelMode.REFERENCE:
+            _check_kernels_on_mesh(model, placement, mode)
+    return RunConfig(jnp.dtype(dtype or default_dtype()), quant, kv, mode, placement, capacity_factor, matmul,
+                     tuple(requested.items()))
+
+
+def _spelled(option: Any) -> str:
+    if option is None:
+        return "auto"
+    return option.value if hasattr(option, "value") else str(option)
+
+
+def _weight_storage(quantize, stored: QuantConfig) -> QuantConfig:
+    """The weights' storage: a checkpoint stored quantized is used as stored (asking for another
+    scheme is an error); a float one is quantized at load as ``quantize`` says."""
+    scheme = parse_weight_quant(quantize)
+    if stored.weights is WeightQuant.NONE:
+        return QuantConfig(scheme)
+    asked_explicitly = quantize not in (None, "auto")
+    if asked_explicitly and scheme is not stored.weights:
+        raise QuantError(
+            f"the checkpoint is stored quantized as {stored.weights.value}; load it without --quantize "
+            f"(or with {stored.weights.value}), or convert the source again with --quantize {scheme.value}")
+    return stored
+
+
+def check_placement(model: ModelConfig, placement: Placement) -> None:
+    """Raise :class:`RunConfigError` unless ``placement``'s mesh can run this model at all."""
+    ep = placement.axes["expert"]
+    if ep > 1 and model.moe is None:
+        raise RunConfigError(f"--mesh expert={ep} needs a Mixture-of-Experts model and this one has no experts; "
+                             f"use tensor={ep}")
+    if ep > 1:
+        try:
+            check_expert_parallel(model.moe.num_experts, ep)
+        except ValueError as e:
+            raise RunConfigError(str(e)) from None
+
+
+def _check_kernels_on_mesh(model: ModelConfig, placement: Placement, mode: KernelMode) -> None:
+    """The kernels run per device inside ``shard_map`` over the head split: each device needs
+    whole kv heads and all the query heads that read them."""
+    tp = placement.axes["tensor"]
+    if tp == 1:
+        return
+    heads = [("query heads", model.num_heads)]
+    if model.mla is None:
+        heads.append(("kv heads", model.num_kv_heads))
+    for what, n in heads:
+        if n % tp:
+            raise RunConfigError(
+                f"--kernels {mode.value} on --mesh tensor={tp} needs the {n} {what} to split evenly over "
+                f"tensor={tp}; use a tensor size that divides {n}, or --kernels reference")
+
+
+def with_kernels(run: RunConfig, model: ModelConfig, kernels: KernelMode | str | None) -> RunConfig:
+    """``run`` with its kernel mode replaced by ``kernels`` (None: unchanged), checked against the
+    rest of ``run`` as :func:`resolve_run` checks it (e.g. a serving engine's own choice)."""
+    if kernels is None:
+        return run
+    try:
+        mode = resolve_mode(kernels)
+    except KernelError as e:
+        raise RunConfigError(str(e)) from None
+    if run.placement is not None and mode is not KernelMode.REFERENCE:
+        _check_kernels_on_mesh(model, run.placement, mode)
+    requested = {**dict(run.requested), "kernels": _spelled(kernels)}
+    return dataclasses.replace(run, kernels=mode, requested=tuple(requested.items()))
+
+
+def weights_storage(weights: Any) -> QuantConfig:
+    """How a weight tree in memory is stored (the scheme that would have produced its quantized
+    leaves: int4 experts beside int8, fp8 blocks with their block, or per-channel int8 / fp8)."""
+    nodes = [x for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
+             if isinstance(x, QuantizedArray)]
+    formats = {x.fmt for x in nodes}
+    if not nodes:
+        return QuantConfig()
+    if ValueFormat.INT4 in formats:
+        return QuantConfig(WeightQuant.INT4)
+    blocked = [x.block for x in nodes if x.block is not None]
+    if blocked:
+        return QuantConfig(WeightQuant.FP8_BLOCK, tuple(blocked[0]))
+    return QuantConfig(WeightQuant.FP8 if ValueFormat.FP8 in formats else WeightQuant.INT8)
+
+
+def kernels_record(run: RunConfig) -> dict[str, str]:
+    """``describe``'s record of the resolved kernel mode (``generate --json``'s ``"kernels"``)."""
+    return {**describe(run.kernels), "requested": dict(run.requested).get("kernels", "auto")}

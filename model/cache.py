@@ -1,0 +1,283 @@
+"""The caches, in one room: what each kind holds, how it is declared, made and written.
+
+- :class:`KVCache` (per-head keys and values) and :class:`LatentCache` (multi-head latent
+  attention's latent rows, plus DeepSeek sparse attention's indexer keys): the contiguous caches
+  ``Engine`` decodes over, declared once by :func:`cache_specs` (shapes and logical axes, from
+  which ``init_cache`` and the shardings on a mesh follow) and written by
+  :func:`append_to_cache`;
+- what one ``forward`` call adds to a cache (:class:`NewKV`, :class:`NewLatent`);
+- the page writes a paged cache shares with the kernels' in-place steps (:func:`page_slots`,
+  :func:`write_rows`, :func:`write_head_rows`); the paged caches themselves are in
+  ``dayzero.model.paged_cache``;
+- :func:`write_quantized`, the one way a row write quantizes into a quantized buffer (one scale
+  per row and head), used by the contiguous and the paged writes alike;
+- :class:`CacheView`, the interface ``transformer.forward`` reads a cache through, which every
+  cache (contiguous, paged, the kernels' paged view) has.
+
+Why the write is its own function, apart from ``forward``: when one XLA:CPU computation both
+reads a cache buffer and updates it in place, XLA copies the whole buffer (measured: 60 x
+[1,3,8192,64] buffers, 0.3 ms for the update alone, 228 ms with a read beside it). Jitted
+separately, with the cache donated to the update, the read and the in-place write stay copy-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from dayzero.model.config import ModelConfig
+from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, quantize_like, scale_shape
+from dayzero.model.weights import Init, ParamSpec, map_specs
+
+
+class CacheView(Protocol):
+    """What ``transformer.forward`` reads of a cache: each row's length [B] before this call, the
+    ``rope_len`` dynamic-NTK RoPE needs, the positions a row can hold (``max_len``), whether
+    ``layer(i)``'s keys are token-major ([B,K,S,H], a paged view) rather than [B,K,H,S], and
+    ``layer(i, after)``: the layer's cached arrays as its attention block takes them (``after``,
+    the layer's input, lets a cache that builds them do so only once it exists)."""
+
+    lengths: jax.Array
+    rope_len: jax.Array
+    keys_token_major: bool
+
+    @property
+    def max_len(self) -> int: ...
+
+    def layer(self, i: int, after: jax.Array | None = None): ...
+
+
+@struct.dataclass
+class KVCache:
+    """Per-layer keys [B, K, H, S], values [B, K, S, H] and per-row valid lengths [B].
+
+    These are the layouts XLA:CPU contracts fastest for decode (measured on [1,3,8192,64] with
+    9 query heads: q.k 0.28 ms with keys [B,K,H,S] against 0.57 ms with [B,K,S,H]; p.v 0.14 ms
+    with values [B,K,S,H] against 1.46 ms with [B,K,H,S]).
+
+    ``rope_len`` is the longest sequence seen so far (a scalar), which dynamic-NTK RoPE needs.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+    rope_len: jax.Array
+
+    # ``layer(i)``'s keys are [B,K,H,S] (a paged cache's view is token-major [B,K,S,H]).
+    keys_token_major = False
+
+    @property
+    def max_len(self) -> int:
+        """S, the number of positions each row can hold."""
+        return self.v[0].shape[2]
+
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them.
+
+        ``after``: the layer's input activations. A cache that builds the arrays (the paged
+        cache gathers them) builds them only once ``after`` exists, so that the views of all
+        layers are not live at once; this one ignores it.
+        """
+        return self.k[i], self.v[i]
+
+
+@struct.dataclass
+class LatentCache:
+    """Multi-head latent attention's cache: per layer one row per position [B, S, L+R] (the
+    normed kv latent, then the rotated rope key), per-row lengths [B] and ``rope_len``.
+
+    One array serves as both keys and values of the absorbed form (see ``dayzero.model.mla``),
+    so it has one layout, [B,S,C]: the value product reads it as XLA:CPU's fast [B,S,H] value
+    layout; the score product reads it as keys in the slower of the two layouts measured for
+    ``KVCache`` (a copy in the other layout would double the cache).
+
+    ``index_keys``: with sparse attention (DeepSeek-V3.2), per layer the indexer key of each
+    position [B, S, J] (J = ``index_head_dim``); None otherwise.
+    """
+
+    latent: tuple[jax.Array, ...]
+    lengths: jax.Array
+    rope_len: jax.Array
+    index_keys: tuple[jax.Array, ...] | None = None
+
+    keys_token_major = False  # no per-head keys: the latent blocks read ``layer(i)`` as it is
+
+    @property
+    def max_len(self) -> int:
+        """S, the number of positions each row can hold."""
+        return self.latent[0].shape[1]
+
+    def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
+        """Layer ``i``'s cached arrays, as its attention block takes them (``after`` as
+        :meth:`KVCache.layer`'s, ignored here)."""
+        return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
+
+
+def cache_specs(config: ModelConfig, batch: int, max_len: int,
+                kv_quant: KVQuant = KVQuant.NONE) -> KVCache | LatentCache:
+    """The cache declared abstractly: a :class:`ParamSpec` (shape, logical axes) at every leaf.
+
+    Like ``abstract_weights`` for the weights, this one tree gives the cache's shapes
+    (:func:`init_cache`) and its shardings (``dayzero.sharding.rules.weight_shardings``). The
+    latent cache has no head axis, so its positions carry their own logical axis
+    (``latent_seq``) that a strategy may split where per-head caches keep ``cache_seq`` whole.
+    With ``kv_quant`` each buffer is a :class:`QuantizedArray` of stored values and one fp32
+    scale per token and head (per token for latent rows and indexer keys): quantized on write,
+    dequantized on read.
+    """
+    def buffer(shape: tuple[int, ...], axes: tuple[str | None, ...], channel_axis: int):
+        spec = ParamSpec(shape, axes, Init.ZEROS)
+        if kv_quant is KVQuant.NONE:
+            return spec
+        fmt = KV_FORMATS[kv_quant]
+        scale_axes = tuple(None if i == channel_axis else a for i, a in enumerate(axes))
+        scale = ParamSpec(scale_shape(shape, (channel_axis,), None), scale_axes, Init.ONES, jnp.dtype(jnp.float32))
+        return QuantizedArray(dataclasses.replace(spec, dtype=fmt.dtype), scale, fmt, (channel_axis,), None)
+
+    lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
+    rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
+    layers = range(config.num_layers)
+    if config.mla is not None:
+        width = config.mla.kv_lora_rank + config.mla.rope_dim
+        latent = buffer((batch, max_len, width), ("batch", "latent_seq", None), 2)
+        keys = None
+        if config.dsa is not None:
+            key = buffer((batch, max_len, config.dsa.head_dim), ("batch", "latent_seq", None), 2)
+            keys = tuple(key for _ in layers)
+        return LatentCache(latent=tuple(latent for _ in layers), lengths=lengths, rope_len=rope_len, index_keys=keys)
+    K, H = config.num_kv_heads, config.head_dim
+    k = buffer((batch, K, H, max_len), ("batch", "kv_heads", "head_dim", "cache_seq"), 2)
+    v = buffer((batch, K, max_len, H), ("batch", "kv_heads", "cache_seq", "head_dim"), 3)
+    return KVCache(k=tuple(k for _ in layers), v=tuple(v for _ in layers), lengths=lengths, rope_len=rope_len)
+
+
+def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
+               kv_quant: KVQuant = KVQuant.NONE, shardings=None) -> KVCache | LatentCache:
+    """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
+    multi-head latent attention, per-head keys and values otherwise; quantized with
+    ``kv_quant``), placed by ``shardings`` (a matching tree of shardings, e.g. from
+    :func:`cache_specs`) when given."""
+    if shardings is None:
+        return _empty_cache(config, batch, max_len, dtype, kv_quant)
+    # Sharded: made in place on each device (no host copy, and no cross-process transfer when
+    # the mesh spans several processes).
+    return _sharded_cache_maker(shardings)(config, batch, max_len, dtype, kv_quant)
+
+
+def _empty_cache(config: ModelConfig, batch: int, max_len: int, dtype, kv_quant: KVQuant) -> KVCache | LatentCache:
+    def empty(s: ParamSpec) -> jax.Array:
+        fill = jnp.ones if s.init is Init.ONES else jnp.zeros
+        return fill(s.shape, s.dtype or dtype)
+
+    return map_specs(empty, cache_specs(config, batch, max_len, kv_quant))
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_cache_maker(shardings):
+    # One jitted maker per sharding tree, so a second request of the same shape does not compile.
+    return jax.jit(_empty_cache, static_argnums=(0, 1, 2, 3, 4), out_shardings=shardings)
+
+
+@struct.dataclass
+class NewKV:
+    """What one ``forward`` call adds to the cache: per-layer keys/values [B,T,K,H]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    num_new: jax.Array  # [B] real tokens per row
+    rope_len: jax.Array  # the cache's new ``rope_len``
+
+
+@struct.dataclass
+class NewLatent:
+    """What one ``forward`` call adds to a :class:`LatentCache`: per-layer latent rows [B,T,L+R]
+    (and indexer keys [B,T,J] with sparse attention)."""
+
+    latent: tuple[jax.Array, ...]
+    num_new: jax.Array  # [B] real tokens per row
+    rope_len: jax.Array  # the cache's new ``rope_len``
+    index_keys: tuple[jax.Array, ...] | None = None
+
+
+def write_quantized(buffer: jax.Array | QuantizedArray, rows: jax.Array,
+                    write: Callable[[jax.Array, jax.Array], jax.Array]) -> jax.Array | QuantizedArray:
+    """``write(buffer, rows)`` for a plain buffer (rows cast to its dtype); into a quantized one,
+    ``rows`` (already in the buffer's layout) are quantized like it first, one scale per row (and
+    head), and values and scales written alike. The one quantized write of every cache."""
+    if isinstance(buffer, QuantizedArray):
+        q = quantize_like(rows, buffer)
+        return buffer.replace(values=write(buffer.values, q.values), scale=write(buffer.scale, q.scale))
+    return write(buffer, rows.astype(buffer.dtype))
+
+
+def _write_rows(buffer: jax.Array | QuantizedArray, new: jax.Array, starts: jax.Array,
+                seq_axis: int) -> jax.Array | QuantizedArray:
+    """Write ``new`` (already in the buffer's layout) into ``buffer`` at per-row start positions."""
+    def write(buf, x):
+        if buf.shape[0] == 1:  # a plain in-place update; the batched form lowers to a scatter
+            return jax.lax.dynamic_update_slice_in_dim(buf, x, starts[0], axis=seq_axis)
+        return jax.vmap(lambda b, r, s: jax.lax.dynamic_update_slice_in_dim(b, r, s, axis=seq_axis - 1))(
+            buf, x, starts)
+
+    return write_quantized(buffer, new, write)
+
+
+def append_to_cache(cache: KVCache | LatentCache, new: NewKV | NewLatent) -> KVCache | LatentCache:
+    """Write the keys/values (or latent rows) of one ``forward`` call at each row's length and
+    advance lengths.
+
+    Jit it with the cache donated (and apart from ``forward``, see the module docstring). The
+    cache must have room: ``max(lengths) + T <= max_len``, or the write would be clamped.
+    """
+    starts = cache.lengths
+    if isinstance(cache, LatentCache):
+        latent = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.latent, new.latent))
+        keys = None
+        if cache.index_keys is not None:
+            keys = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.index_keys, new.index_keys))
+        return LatentCache(latent=latent, lengths=starts + new.num_new, rope_len=new.rope_len, index_keys=keys)
+    k = tuple(_write_rows(c, n.transpose(0, 2, 3, 1), starts, 3) for c, n in zip(cache.k, new.k))
+    v = tuple(_write_rows(c, n.transpose(0, 2, 1, 3), starts, 2) for c, n in zip(cache.v, new.v))
+    return KVCache(k=k, v=v, lengths=starts + new.num_new, rope_len=new.rope_len)
+
+
+def page_slots(block_tables: jax.Array, lengths: jax.Array, num_new: jax.Array, T: int,
+               page_size: int, num_pages: int) -> tuple[jax.Array, jax.Array]:
+    """Where each of T new tokens per row goes: (page [B,T], slot in page [B,T]).
+
+    Token t of row b is at position ``lengths[b] + t``. Padding tokens (t >= num_new[b]) and
+    positions past the table get page ``num_pages``, out of the pool, so a write with
+    ``mode="drop"`` skips them (they must not land in a page another row owns).
+    """
+    positions = lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    pages = page_of(block_tables, positions, page_size)
+    real = (jnp.arange(T)[None, :] < num_new[:, None]) & (positions // page_size < block_tables.shape[1])
+    return jnp.where(real, pages, num_pages), positions % page_size
+
+
+def page_of(block_tables: jax.Array, positions: jax.Array, page_size: int) -> jax.Array:
+    """The page holding each position of ``positions`` [B, ...] in its row's table [B,W]
+    (positions past the table read its last entry; callers mask them)."""
+    B, W = block_tables.shape
+    index = jnp.minimum(positions // page_size, W - 1).reshape(B, -1)
+    return jnp.take_along_axis(block_tables, index, axis=1).reshape(positions.shape)
+
+
+def write_head_rows(pool: jax.Array | QuantizedArray, rows: jax.Array, pages: jax.Array,
+                    slots: jax.Array) -> jax.Array | QuantizedArray:
+    """Per-head rows [B,T,K,H] written into a key or value pool [K,P,page,H] at (pages, slots) [B,T]."""
+    return write_rows(pool, rows.transpose(2, 0, 1, 3), pages, slots)
+
+
+def write_rows(pool: jax.Array | QuantizedArray, rows: jax.Array, pages: jax.Array,
+               slots: jax.Array) -> jax.Array | QuantizedArray:
+    """Rows [B,T,C] written into a latent (or indexer key) pool [P,page,C] at (pages, slots) [B,T]
+    (or rows [K,B,T,H] into a per-head pool [K,P,page,H]). Into a quantized pool the rows are
+    quantized first (``write_quantized``: the same quantization the contiguous cache's write
+    applies to the same rows)."""
+    return write_quantized(pool, rows, lambda p, r: p.at[..., pages, slots, :].set(r, mode="drop"))

@@ -1,0 +1,93 @@
+"""Continuous batching on a mesh of 8 faked CPU devices, run in a fresh interpreter by
+tests/test_mesh_serving.py (the device count is fixed when jax starts).
+
+``python -m tests.mesh_serving_checks CASE`` prints one JSON object: for each (mesh, kernels, KV
+cache) run of CASE, whether the served tokens equal the single-device serving run with the same
+settings, and the largest logprob difference. A CASE is a tiny MoE model with quantized weights:
+
+- ``deepseek_fp8_block``: DeepSeek-V3 (latent attention, shared + 8 routed experts) with fp8
+  block weights of block 32 x 32, so tensor=4 cuts every 64-wide expert block in half (the
+  block-split case: DeepSeek-V3's 2048-wide experts over tensor=32 at a small scale);
+- ``qwen3_int8`` / ``qwen3_int4``: Qwen3-MoE (q/k norms, 8 experts, top 2) with int8 weights, or
+  int4 routed experts beside int8 projections.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+
+from dayzero.engine import Engine, ServingConfig, ServingEngine
+from dayzero.model.hf_config import parse_hf_config
+from dayzero.model.quant import QuantConfig, WeightQuant
+from dayzero.model.weights import abstract_weights, init_weights, quantize_weights
+from dayzero.sharding.placement import placement_for
+from tests.serving_models import BASE, LATENT, prompt
+
+QWEN3_MOE = dict(BASE, model_type="qwen3_moe", num_key_value_heads=4, head_dim=16, num_experts=8,
+                 num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                 mlp_only_layers=[])
+DEEPSEEK = dict(LATENT, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=64)
+CASES = {
+    "deepseek_fp8_block": (DEEPSEEK, QuantConfig(WeightQuant.FP8_BLOCK, block=(32, 32))),
+    "qwen3_int8": (QWEN3_MOE, QuantConfig(WeightQuant.INT8)),
+    "qwen3_int4": (QWEN3_MOE, QuantConfig(WeightQuant.INT4)),
+}
+# (mesh, kernels, KV cache) of each case's two runs: across the cases every mesh meets both
+# attention paths and both KV formats (the full product would take too long on two cores).
+RUNS = {
+    "deepseek_fp8_block": (({"tensor": 2, "expert": 4}, "pallas_interpret", "fp8"),
+                           ({"data": 2, "tensor": 4}, "reference", "int8")),
+    "qwen3_int8": (({"tensor": 2, "expert": 4}, "reference", "int8"),
+                   ({"data": 2, "tensor": 4}, "pallas_interpret", "fp8")),
+    "qwen3_int4": (({"tensor": 2, "expert": 4}, "pallas_interpret", "int8"),
+                   ({"data": 2, "tensor": 4}, "reference", "fp8")),
+}
+# Three requests on two slots (the third joins when one finishes), the first prefilled in two chunks.
+PROMPTS = [prompt(20, 1), prompt(9, 2), prompt(12, 3)]
+NEW = 4
+SERVING = ServingConfig(slots=2, page_size=8, max_chunk=16, max_context=32)
+
+
+def quantized_model(case: str):
+    """(config, weights quantized once on one device) of ``case``; scale 0.2 gives O(1) logits."""
+    hf, quant = CASES[case]
+    config = parse_hf_config(hf)
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.2)
+    return config, quantize_weights(weights, abstract_weights(config, quant))
+
+
+def served(engine: Engine, kernels: str) -> dict:
+    """Greedy tokens and logprobs of PROMPTS served concurrently (2 slots, chunked prefill)."""
+    server = ServingEngine(engine, ServingConfig(**{**SERVING.__dict__, "kernels": kernels}))
+    outs = server.run(PROMPTS, max_new_tokens=NEW, ignore_eos=True, logprobs=True)
+    return {"tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
+            "kv_spec": _pool_spec(server)}
+
+
+def _pool_spec(server: ServingEngine) -> list[str] | None:
+    """The partition spec of the first layer's pool (None on one device)."""
+    first = jax.tree.leaves(server.steps.pool)[0]
+    spec = getattr(first.sharding, "spec", None)
+    return None if spec is None else [str(a) for a in spec]
+
+
+def run_case(case: str) -> dict:
+    """Each run of ``RUNS[case]`` against single-device serving with the same settings."""
+    config, weights = quantized_model(case)
+    out = {"devices": jax.device_count()}
+    for axes, kernels, kv in RUNS[case]:
+        one = served(Engine(config, weights, kv_cache=kv), kernels)
+        mesh = Engine(config, weights, placement=placement_for(axes), kv_cache=kv)
+        got = served(mesh, kernels)
+        diff = max(abs(a - b) for r, g in zip(one["logprobs"], got["logprobs"]) for a, b in zip(r, g))
+        name = "x".join(f"{a}{s}" for a, s in axes.items()) + f"-{kernels}-{kv}"
+        out[name] = {"same_tokens": one["tokens"] == got["tokens"], "logprob_diff": diff,
+                     "pool_spec": got["kv_spec"], "run": mesh.run.describe()}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_case(sys.argv[1])))
