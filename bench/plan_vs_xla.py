@@ -61,8 +61,8 @@ def main() -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={args.devices}").strip()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from dayzero.engine.plan import load_model, workload_from_args
-    from dayzero.engine.plan_check import compare_with_xla
+    from dayzero.tools.plan import load_model, workload_from_args
+    from dayzero.tools.plan_check import compare_with_xla
     from dayzero.sharding.distributed import parse_mesh
     from dayzero.sharding.planner import format_size, plan
 

@@ -4,7 +4,7 @@ For each scheme: decode and prefill speed (``dayzero bench``'s measurement), che
 disk and its tensors' bytes uncompressed (the embedded GGUF converted with ``--quantize``/
 ``--dtype``; the fp32 row is the cached default conversion), bytes of the weights (including the
 [D,V] output-head copy the CPU engine makes of a tied embedding) and of a full-context
-(8192-token) KV cache on the device, and accuracy against fp32 on a ~500-token English text (``dayzero.engine.quality``:
+(8192-token) KV cache on the device, and accuracy against fp32 on a ~500-token English text (``dayzero.tools.quality``:
 mean / max per-token KL, teacher-forced greedy agreement over 128 tokens, and the identical
 prefix of free-running greedy generation).
 
@@ -32,10 +32,10 @@ import numpy as np
 
 from dayzero.convert import convert_checkpoint
 from dayzero.engine import Engine
-from dayzero.engine.bench import bench_engine, kv_cache_bytes
+from dayzero.tools.bench import bench_engine, kv_cache_bytes
 from dayzero.engine.default_model import default_gguf_path, default_model_dir
-from dayzero.engine.measure import bench_prompt
-from dayzero.engine.quality import QUALITY_TEXT, agreement, greedy_tokens
+from dayzero.tools.measure import bench_prompt
+from dayzero.tools.quality import QUALITY_TEXT, agreement, greedy_tokens
 from dayzero.model.quant import describe_weights, stored_bytes
 
 SCHEMES = ("fp32", "bf16", "int8", "fp8", "fp8-block", "int4", "kv-int8", "kv-fp8")

@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.engine.bench import kv_cache_bytes
+from dayzero.tools.bench import kv_cache_bytes
 from dayzero.engine.generate import Engine, cache_length
-from dayzero.engine.measure import bench_prompt
+from dayzero.tools.measure import bench_prompt
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
 from dayzero.kernels import KernelMode, resolve_mode

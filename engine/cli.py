@@ -23,18 +23,18 @@ KV_CACHE = "auto|none|int8|fp8"
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input, not a bug (imported lazily: jax is slow to import)."""
     from dayzero.convert import ConvertError
-    from dayzero.engine.bench import BenchError
-    from dayzero.engine.check import CheckError
+    from dayzero.tools.bench import BenchError
+    from dayzero.convert.check import CheckError
     from dayzero.engine.default_model import DefaultModelError
     from dayzero.engine.generate import GenerationError
     from dayzero.engine.launch import LaunchError
-    from dayzero.engine.peers import PeerError
-    from dayzero.engine.plot import PlotError
+    from dayzero.tools.peers import PeerError
+    from dayzero.tools.plot import PlotError
     from dayzero.engine.runtime import RunConfigError
     from dayzero.engine.sampling import SamplingError
-    from dayzero.engine.soak import SoakError
+    from dayzero.tools.soak import SoakError
     from dayzero.engine.tokenizer import TokenizerError
-    from dayzero.engine.verify import VerifyError
+    from dayzero.tools.verify import VerifyError
     from dayzero.model.config import ConfigError
     from dayzero.model.quant import QuantError
     from dayzero.sharding.planner import PlanError
@@ -234,14 +234,14 @@ def _run_options(args: argparse.Namespace) -> dict:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     """``dayzero bench``."""
-    from dayzero.engine.bench import run_bench
+    from dayzero.tools.bench import run_bench
 
     return run_bench(args, _placement(args.mesh))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     """``dayzero verify``."""
-    from dayzero.engine.verify import run_verify
+    from dayzero.tools.verify import run_verify
 
     placement = _placement(args.mesh)
     return run_verify(args, _parse_ids(args.prompt_ids) if args.prompt_ids is not None else None, placement)
@@ -249,7 +249,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """``dayzero check``."""
-    from dayzero.engine.check import run_check
+    from dayzero.convert.check import run_check
 
     parse_mesh(args.mesh)  # checked for consistency; a checkpoint check runs no model
     return run_check(args)
@@ -265,7 +265,7 @@ def cmd_launch_local(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """``dayzero plan``: exit 0 when the plan fits, 1 when it does not."""
-    from dayzero.engine.plan import run_plan
+    from dayzero.tools.plan import run_plan
 
     return run_plan(args)
 

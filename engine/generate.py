@@ -104,7 +104,7 @@ def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights
 
     The forward pass (on a mesh with ``parallel``'s hand-written blocks: split latent attention,
     expert-parallel MoE) then sampling; returns the next tokens [B], their log-probabilities [B]
-    and what ``append_to_cache`` writes. ``dayzero.engine.plan_check`` lowers the same function.
+    and what ``append_to_cache`` writes. ``dayzero.tools.plan_check`` lowers the same function.
     """
     logits, new = forward(weights, config, tokens, cache, num_new, parallel=parallel)
     next_tokens, logprobs = sample(logits, rows, step, mode)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.generate import GenerationError, bucket
-from dayzero.engine.runtime import RunConfig, resolve_run, with_kernels
+from dayzero.engine.runtime import RunConfig, check_page_pool, resolve_run, with_kernels
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
@@ -107,8 +107,9 @@ class ServingConfig:
             raise GenerationError(
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
-        kernels = with_kernels(run or resolve_run(model), model, self.kernels).kernels
-        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=kernels)
+        run = with_kernels(run or resolve_run(model), model, self.kernels)
+        check_page_pool(run, model, pages, self.page_size)
+        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=run.kernels)
 
     # ---- shape policy (on a resolved config) ----------------------------------------------------
 

@@ -23,7 +23,11 @@ What is refused (:func:`resolve_run` raises):
   heads: each device's kernel must see whole kv heads with all their query heads;
 - a weight scheme that differs from the one a checkpoint is stored in;
 - ``--mesh expert=N`` on a model without experts, or with an expert count N does not divide
-  (and ``data`` x ``expert`` meshes, which have no rules table; see ``sharding.placement``).
+  (and ``data`` x ``expert`` meshes, which have no rules table; see ``sharding.placement``);
+- the MoE dispatch options (``capacity_factor``, ``grouped_matmul``) without an ``expert`` axis:
+  they set the expert-parallel dispatch only;
+- the kernels over an int8/fp8 page pool of 2^31 to 2^32 elements per device
+  (:func:`check_page_pool`, when a serving engine sizes its pool).
 """
 
 from __future__ import annotations
@@ -132,6 +136,11 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
         raise RunConfigError(f"grouped_matmul {grouped_matmul!r} is unknown; choose one of {choices}") from None
     if capacity_factor is not None and not capacity_factor > 0:
         raise RunConfigError(f"capacity_factor {capacity_factor} must be > 0 (or None for no dropped tokens)")
+    expert_parallel = placement is not None and placement.axes["expert"] > 1
+    if (capacity_factor is not None or matmul is not None) and not expert_parallel:
+        raise RunConfigError(
+            "capacity_factor and grouped_matmul set the expert-parallel dispatch, which runs on a mesh with "
+            "expert > 1 only; add --mesh expert=N or leave them unset (one device uses the platform's matmul)")
     if placement is not None:
         check_placement(model, placement)
         if mode is not KernelMode.REFERENCE:
@@ -202,6 +211,29 @@ def with_kernels(run: RunConfig, model: ModelConfig, kernels: KernelMode | str |
         _check_kernels_on_mesh(model, run.placement, mode)
     requested = {**dict(run.requested), "kernels": _spelled(kernels)}
     return dataclasses.replace(run, kernels=mode, requested=tuple(requested.items()))
+
+
+def check_page_pool(run: RunConfig, model: ModelConfig, num_pages: int, page_size: int) -> None:
+    """Refuse a page pool the kernels cannot address: Pallas Triton computes 32-bit element
+    offsets for arrays under 2^32 bytes, so a 1-byte (int8/fp8) pool of 2^31 to 2^32 elements on
+    one device would overflow them (``kernels.tiles.pallas_offsets_fit``). Checked on each
+    device's share of the pool, when the pages are made, before anything is allocated."""
+    if not run.on_kernels or run.kv_cache is KVQuant.NONE:
+        return
+    from dayzero.kernels.tiles import pallas_offsets_fit
+    from dayzero.model.paged_cache import paged_cache_specs
+
+    pool = jax.tree.leaves(paged_cache_specs(model, num_pages, page_size, kv_quant=run.kv_cache),
+                           is_leaf=lambda x: hasattr(x, "axes"))[0]
+    shape = list(pool.shape)
+    tp = 1 if run.placement is None else run.placement.axes["tensor"]
+    if pool.axes[0] == "kv_heads" and shape[0] % tp == 0:
+        shape[0] //= tp
+    if not pallas_offsets_fit(tuple(shape), pool.dtype):
+        raise RunConfigError(
+            f"num_pages={num_pages} makes each device's {run.kv_cache.value} page pool {shape} more than 2^31 "
+            f"one-byte elements but under 4 GiB, which the Pallas kernels address with 32-bit offsets; use fewer "
+            f"pages (or a larger tensor split), --kv-cache none, or --kernels reference")
 
 
 def weights_storage(weights: Any) -> QuantConfig:

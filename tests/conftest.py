@@ -141,6 +141,21 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_hf(tmp_path_factory):
+    """A tiny Qwen3-MoE HF directory: 8 experts of width 32, top 2 renormalised, 4 query and 4 kv
+    heads (so tensor=4 splits whole kv heads), for the runs that put everything on a mesh."""
+    import transformers
+
+    from tests.hf_helpers import hf_model
+
+    config = transformers.Qwen3MoeConfig(**{**TINY, "num_key_value_heads": 4, "moe_intermediate_size": 32,
+                                            "num_experts": 8, "norm_topk_prob": True, "head_dim": 16})
+    hf_dir = tmp_path_factory.mktemp("tiny_moe") / "hf"
+    hf_model(config, seed=0).save_pretrained(hf_dir)
+    return hf_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_engine(tiny_model):
     """One shared :class:`Engine` over ``tiny_model`` (tests that count compilations make their own)."""
     from dayzero.engine import Engine
@@ -182,13 +197,13 @@ def incremental_logits():
 def _quantized_vs_hf(config, weights, scheme: str, kv: str, long_ids, hf_long, prompt, hf_tokens) -> dict:
     """KL of the quantized model's logits of ``long_ids`` [1, n] against HF's ``hf_long`` [1, n, V],
     and its teacher-forced greedy agreement with HF's tokens ``hf_tokens`` after ``prompt`` [1, m],
-    both read through the cache in chunks as generation does (``dayzero.engine.quality``)."""
+    both read through the cache in chunks as generation does (``dayzero.tools.quality``)."""
     import numpy as np
 
     from dayzero.engine import Engine
     from dayzero.engine.generate import bucket
-    from dayzero.engine.quality import CHUNK, sequence_logits
-    from dayzero.engine.verify import logits_stats
+    from dayzero.tools.quality import CHUNK, sequence_logits
+    from dayzero.tools.verify import logits_stats
     from dayzero.model.quant import QuantConfig, parse_weight_quant
     from dayzero.model.weights import abstract_weights, quantize_weights
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from dayzero.model import moe_parallel
 from dayzero.model.hf_config import parse_hf_config
-from dayzero.model.moe import moe, router_logits
+from dayzero.model.moe import moe
 from dayzero.model.parallel import Parallel
 from dayzero.model.quant import QuantConfig, QuantError, QuantizedArray, WeightQuant, describe_weights
 from dayzero.model.transformer import forward
@@ -30,6 +30,7 @@ from dayzero.model.weights import (
     named_leaves, quantize_weights,
 )
 from dayzero.sharding.placement import placement_for
+from tests.mesh_checks import logits_and_router_gap, rel_err
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Compiling is nearly all the time here (a dozen forward programs per part); LLVM's optimisation
@@ -56,34 +57,6 @@ BLOCK = (32, 32)
 MESHES = {"tp2ep4": {"tensor": 2, "expert": 4}, "dp2tp4": {"data": 2, "tensor": 4},
           "tp4ep2": {"tensor": 4, "expert": 2}}
 SEEDS = {"qwen": 0, "latent": 0}
-
-
-def rel_err(a, b) -> float:
-    """Largest |a - b| relative to the largest |b|."""
-    a, b = np.asarray(a), np.asarray(b)
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def logits_and_router_gap(config, weights, tokens) -> tuple[np.ndarray, float]:
-    """One-device all-position logits, and the smallest margin between the C-th and (C+1)-th
-    router logit over every token and MoE layer (as tests/mesh_checks.py measures it; kept here
-    so that these checks import no engine code)."""
-    import dayzero.model.transformer as transformer
-
-    def run(w, t):
-        inputs = []  # each MoE block's (router, hidden states), filled while tracing
-        real_moe = transformer.moe
-        transformer.moe = lambda mw, c, h: inputs.append((mw.router, h)) or real_moe(mw, c, h)
-        try:
-            logits = forward(w, config, t, all_logits=True)[0]
-        finally:
-            transformer.moe = real_moe
-        return logits, [router_logits(r, h.reshape(-1, h.shape[-1])) for r, h in inputs]
-
-    logits, routers = jax.jit(run)(weights, tokens)
-    C = config.moe.experts_per_token
-    gaps = [np.sort(np.asarray(r), axis=-1) for r in routers]
-    return np.asarray(logits), min(float((s[:, -C] - s[:, -C - 1]).min()) for s in gaps)
 
 
 def start_part(part: str) -> subprocess.Popen:

@@ -59,12 +59,13 @@ def quantized_model(case: str):
     return config, quantize_weights(weights, abstract_weights(config, quant))
 
 
-def served(engine: Engine, kernels: str) -> dict:
-    """Greedy tokens and logprobs of PROMPTS served concurrently (2 slots, chunked prefill)."""
-    server = ServingEngine(engine, ServingConfig(**{**SERVING.__dict__, "kernels": kernels}))
+def served(engine: Engine) -> dict:
+    """Greedy tokens and logprobs of PROMPTS served concurrently (2 slots, chunked prefill), run
+    as the engine's run configuration says."""
+    server = ServingEngine(engine, SERVING)
     outs = server.run(PROMPTS, max_new_tokens=NEW, ignore_eos=True, logprobs=True)
     return {"tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
-            "kv_spec": _pool_spec(server)}
+            "kv_spec": _pool_spec(server), "kernels": server.config.kernels.value}
 
 
 def _pool_spec(server: ServingEngine) -> list[str] | None:
@@ -79,15 +80,51 @@ def run_case(case: str) -> dict:
     config, weights = quantized_model(case)
     out = {"devices": jax.device_count()}
     for axes, kernels, kv in RUNS[case]:
-        one = served(Engine(config, weights, kv_cache=kv), kernels)
-        mesh = Engine(config, weights, placement=placement_for(axes), kv_cache=kv)
-        got = served(mesh, kernels)
+        one = served(Engine(config, weights, kv_cache=kv, kernels=kernels))
+        mesh = Engine(config, weights, placement=placement_for(axes), kv_cache=kv, kernels=kernels)
+        got = served(mesh)
         diff = max(abs(a - b) for r, g in zip(one["logprobs"], got["logprobs"]) for a, b in zip(r, g))
         name = "x".join(f"{a}{s}" for a, s in axes.items()) + f"-{kernels}-{kv}"
         out[name] = {"same_tokens": one["tokens"] == got["tokens"], "logprob_diff": diff,
-                     "pool_spec": got["kv_spec"], "run": mesh.run.describe()}
+                     "pool_spec": got["kv_spec"], "run": mesh.run.describe(), "served_on": got["kernels"]}
     return out
 
 
+def run_cli(hf_dir: str, root: str) -> dict:
+    """The CLI with everything at once: ``generate --mesh tensor=2,expert=4 --quantize fp8-block
+    --kv-cache int8 --kernels pallas_interpret`` on a float checkpoint (quantized at load), and a
+    checkpoint converted with ``--quantize fp8-block --mesh tensor=2,expert=4`` loaded on
+    ``data=2,tensor=4``; each against the same settings on one device."""
+    args = ["--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", str(NEW), "--json", "--logprobs",
+            "--kv-cache", "int8", "--kernels", "pallas_interpret"]
+    float_dir, fp8_dir = f"{root}/float", f"{root}/fp8_block"
+    out = {"convert_float": _cli(["convert", hf_dir, float_dir, "--no-progress"])[0],
+           "convert_fp8": _cli(["convert", hf_dir, fp8_dir, "--no-progress", "--quantize", "fp8-block",
+                                "--mesh", "tensor=2,expert=4"])[0]}
+    for name, model, extra, mesh in (("at_load", float_dir, ["--quantize", "fp8-block"], "tensor=2,expert=4"),
+                                     ("converted", fp8_dir, [], "data=2,tensor=4")):
+        rc_one, one = _cli(["generate", "--model", model, *args, *extra])
+        rc_mesh, got = _cli(["generate", "--model", model, *args, *extra, "--mesh", mesh])
+        out[name] = {"rc": [rc_one, rc_mesh], "one": one.get("run"), "mesh": got.get("run"),
+                     "same_tokens": one.get("token_ids") == got.get("token_ids") and len(one["token_ids"]) == NEW,
+                     "logprob_diff": max(abs(a - b) for a, b in zip(one["logprobs"], got["logprobs"]))}
+    return out
+
+
+def _cli(argv: list[str]) -> tuple[int, dict]:
+    """``dayzero ARGV`` in this process: (exit code, the JSON object it printed, or {})."""
+    import contextlib
+    import io
+
+    from dayzero.engine.cli import main
+
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        rc = main(argv)
+    text = stdout.getvalue().strip()
+    return rc, json.loads(text.splitlines()[-1]) if text.startswith("{") else {}
+
+
 if __name__ == "__main__":
-    print(json.dumps(run_case(sys.argv[1])))
+    result = run_cli(*sys.argv[2:]) if sys.argv[1] == "cli" else run_case(sys.argv[1])
+    print(json.dumps(result))

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dayzero.engine.cli import main
-from dayzero.engine.soak import soak
+from dayzero.tools.soak import soak
 
 SPEED_KEYS = {"ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "compile_s"}
 
@@ -29,6 +29,15 @@ def test_sweep_json_has_contract_keys_and_one_row_per_setting(tiny_model, capsys
         assert row["ttft_s"] > 0 and row["decode_tok_s"] > 0 and row["prefill_tok_s"] > 0
         assert row["kv_cache_mb"] > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_runs_the_composed_configuration_and_reports_it(tiny_model, capsys):
+    """bench takes the run options generate takes (resolved in the same place): quantized weights,
+    a quantized KV cache and the kernels at once, reported under "run"."""
+    out = _bench_json(capsys, "--model", str(tiny_model.dir), "--prompt-len", "12", "--new-tokens", "3",
+                      "--quantize", "int8", "--kv-cache", "fp8", "--kernels", "pallas_interpret")
+    assert out["run"]["quantize"] == "int8" and out["run"]["kv_cache"] == "fp8"
+    assert out["run"]["kernels"] == "pallas_interpret" and out["decode_tok_s"] > 0
 
 
 def test_hf_peer_runs_in_the_same_process_and_reports_ratios(tiny_model, capsys):

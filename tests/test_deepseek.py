@@ -203,7 +203,7 @@ def test_batched_rows_of_different_lengths(case):
 @pytest.mark.parametrize("case", ["q_lora"], indirect=True)
 def test_verify_compares_every_latent_attention_layer(case):
     """``dayzero verify`` reads each MLA layer's output (forward's hidden_out) beside HF's."""
-    from dayzero.engine.verify import verify
+    from dayzero.tools.verify import verify
 
     report = verify(case.root / "hf", case.root / "dz", ids=case.long_ids[0, :64].tolist())
     assert report.passed and len(report.layers) == case.config.num_layers

@@ -370,7 +370,7 @@ def test_streaming_flushes_an_incomplete_utf8_tail(tiny_engine):
 
 
 def test_no_recompilation_within_a_bucket(tiny_model):
-    from dayzero.engine.measure import CompileCounter
+    from dayzero.tools.measure import CompileCounter
 
     engine = Engine(tiny_model.config, tiny_model.weights)
     sizes = lambda: tuple(f._cache_size() for f in (engine._prefill, engine._decode, engine._append))  # noqa: E731

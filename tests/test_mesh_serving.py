@@ -23,7 +23,7 @@ LOGPROB_TOL = 1e-4
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request):
-    return request.param, run_part(request.param, module="tests.mesh_serving_checks", timeout=600)
+    return request.param, run_part(request.param, module="tests.mesh_serving_checks", timeout=600, fast_compile=True)
 
 
 def test_served_tokens_equal_one_device(case):
@@ -41,8 +41,24 @@ def test_the_mesh_runs_what_was_asked(case):
     path), and per-head pages are split over tensor like the contiguous cache."""
     name, result = case
     for (axes, kernels, kv), run in zip(RUNS[name], (v for k, v in result.items() if k != "devices")):
-        assert run["run"]["kernels"] == kernels and run["run"]["kv_cache"] == kv
+        assert run["run"]["kernels"] == kernels == run["served_on"] and run["run"]["kv_cache"] == kv
         assert run["run"]["mesh"] == axes
         assert run["run"]["quantize"] == CASES[name][1].weights.value
         if not name.startswith("deepseek"):  # latent pools are whole on every device
             assert run["pool_spec"][0] == "tensor"
+
+
+def test_cli_runs_everything_at_once_on_a_mesh(tiny_moe_hf, tmp_path):
+    """``dayzero generate --mesh tensor=2,expert=4 --quantize fp8-block --kv-cache int8 --kernels
+    pallas_interpret``, and a checkpoint converted for one mesh loaded on another: the tokens of
+    one device with the same settings, and --json names the resolved configuration."""
+    out = run_part("cli", tiny_moe_hf, tmp_path, module="tests.mesh_serving_checks", timeout=600, fast_compile=True)
+    assert out["convert_float"] == 0 and out["convert_fp8"] == 0
+    for name, mesh in (("at_load", {"tensor": 2, "expert": 4}), ("converted", {"data": 2, "tensor": 4})):
+        run = out[name]
+        assert run["rc"] == [0, 0], name
+        assert run["same_tokens"] and run["logprob_diff"] < 1e-4, name
+        assert run["mesh"]["mesh"] == mesh and run["one"]["mesh"] is None
+        for resolved in (run["one"], run["mesh"]):
+            assert resolved["quantize"] == "fp8-block" and resolved["kv_cache"] == "int8"
+            assert resolved["kernels"] == "pallas_interpret"

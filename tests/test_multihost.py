@@ -57,20 +57,12 @@ def test_two_processes_match_one_device(model_dir, capsys):
 
 
 @pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
-    """A tiny Qwen3-MoE (8 experts, top 2, 4 query and 4 kv heads) converted with int8 weights."""
-    import transformers
-
+def moe_dir(tiny_moe_hf, tmp_path_factory):
+    """The tiny Qwen3-MoE converted with int8 weights."""
     from dayzero.convert import convert_checkpoint
-    from tests.conftest import TINY
-    from tests.hf_helpers import hf_model
 
-    config = transformers.Qwen3MoeConfig(**{**TINY, "num_key_value_heads": 4, "moe_intermediate_size": 32,
-                                            "num_experts": 8, "norm_topk_prob": True, "head_dim": 16})
-    root = tmp_path_factory.mktemp("multihost_moe")
-    hf_model(config, seed=0).save_pretrained(root / "hf")
-    convert_checkpoint(root / "hf", root / "dz", progress=False, quantize="int8")
-    return root / "dz"
+    return convert_checkpoint(tiny_moe_hf, tmp_path_factory.mktemp("multihost_moe") / "dz", progress=False,
+                              quantize="int8")
 
 
 def test_two_processes_serve_quantized_moe_on_kernels(moe_dir, capsys):

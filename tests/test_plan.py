@@ -172,7 +172,7 @@ def test_cli_errors_are_one_sentence(argv, fragments, capsys):
 # are a large part of the step.
 XLA_SCRIPT = r"""
 import dataclasses, json
-from dayzero.engine.plan_check import compare_with_xla
+from dayzero.tools.plan_check import compare_with_xla
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.sharding.planner import Workload, KVDtype, WeightDtype
 

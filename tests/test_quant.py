@@ -22,7 +22,7 @@ from dayzero.convert import ConvertError, convert_checkpoint, load_checkpoint, v
 from dayzero.engine import Engine
 from dayzero.engine.cli import main
 from dayzero.engine.runtime import RunConfigError
-from dayzero.engine.quality import agreement, sequence_logits
+from dayzero.tools.quality import agreement, sequence_logits
 from dayzero.model.config import AttentionKind, DSAConfig, Family, MLAConfig, ModelConfig, RopeConfig
 from dayzero.model.quant import (
     KVQuant, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant, dequantized, parse_kv_quant,
@@ -341,7 +341,7 @@ KV_DTYPES = {KVQuant.INT8: jnp.int8, KVQuant.FP8: jnp.float8_e4m3fn}
 
 def test_int8_kv_cache_bytes(tiny_model):
     """Per token and layer: K and V at 1 byte per element plus one float32 scale per head each."""
-    from dayzero.engine.bench import kv_cache_bytes
+    from dayzero.tools.bench import kv_cache_bytes
 
     c = tiny_model.config
     fp32 = kv_cache_bytes(c, 2, 100, jnp.float32)
@@ -370,7 +370,7 @@ TINY_GATES = {
 
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_model):
-    from dayzero.engine.quality import greedy_tokens
+    from dayzero.tools.quality import greedy_tokens
 
     engine = Engine.load(tiny_model.dir)
     ids = np.random.default_rng(5).integers(0, 256, 150).tolist()
@@ -419,7 +419,7 @@ SMOLLM2_GATES = {
 @pytest.fixture(scope="module")
 def smollm2():
     """The embedded SmolLM2-135M in fp32, the quality text's ids and its 128 greedy tokens."""
-    from dayzero.engine.quality import QUALITY_TEXT, greedy_tokens
+    from dayzero.tools.quality import QUALITY_TEXT, greedy_tokens
 
     engine = Engine.load()
     ids = engine.tokenizer.encode(QUALITY_TEXT)

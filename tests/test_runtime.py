@@ -27,6 +27,7 @@ class FakePlacement:
 
     def __init__(self, **sizes):
         self.axes = {"data": 1, "tensor": 1, "expert": 1, **sizes}
+        self.rules = dataclasses.make_dataclass("Rules", ["name"])("fake")
 
 
 def test_auto_resolves_to_the_platform_choices():
@@ -45,6 +46,7 @@ def test_auto_resolves_to_the_platform_choices():
     (dict(kernels="triton"), ["'triton'", "pallas_interpret"]),
     (dict(capacity_factor=0.0), ["capacity_factor 0.0", "> 0"]),
     (dict(grouped_matmul="einsum"), ["'einsum'", "expert_loop, ragged_dot"]),
+    (dict(capacity_factor=1.5), ["expert > 1", "--mesh expert=N"]),
     (dict(stored=QuantConfig(WeightQuant.INT8), quantize="fp8"), ["stored quantized as int8", "--quantize fp8"]),
 ])
 def test_bad_options_are_one_error_type_naming_the_value(options, fragments):
@@ -75,6 +77,11 @@ def test_meshes_the_model_cannot_use_are_refused():
         resolve_run(DENSE, placement=FakePlacement(expert=4))
     with pytest.raises(RunConfigError, match="4 experts do not split evenly over expert=8"):
         resolve_run(MOE, placement=FakePlacement(expert=8))
+
+
+def test_moe_dispatch_options_go_with_the_expert_axis():
+    run = resolve_run(MOE, placement=FakePlacement(expert=2), capacity_factor=1.25, grouped_matmul="ragged_dot")
+    assert run.capacity_factor == 1.25 and run.describe()["grouped_matmul"] == "ragged_dot"
 
 
 def test_kernels_on_a_mesh_need_whole_heads_per_device():
@@ -129,3 +136,18 @@ def test_generate_on_kernels_is_the_engines_own_route():
     for r, g in zip(ref, got):
         assert g.token_ids == r.token_ids
         assert max(abs(a - b) for a, b in zip(g.logprobs, r.logprobs)) < 1e-4
+
+
+def test_a_page_pool_the_kernels_cannot_address_is_refused_before_allocation():
+    """An int8 pool of 2 kv heads x P pages x 16 slots x 16 dims with 2^31 < 512 P <= 2^32 elements
+    would overflow Pallas Triton's 32-bit offsets: refused when the serving engine sizes it (no
+    allocation: ``resolve`` only computes shapes); fp32 pages, the reference path, or the pool split
+    over tensor=2 (each device holds half of it) are fine."""
+    pages = (1 << 22) + 8  # 512 * pages = 2^31 + 4096 elements
+    config = ServingConfig(slots=1, page_size=16, num_pages=pages, max_context=64)
+    on_kernels = resolve_run(DENSE, kv_cache="int8", kernels="pallas_interpret")
+    with pytest.raises(RunConfigError, match=f"num_pages={pages}.*int8 page pool.*--kernels reference"):
+        config.resolve(DENSE, on_kernels)
+    for run in (resolve_run(DENSE, kv_cache="none", kernels="pallas_interpret"), resolve_run(DENSE, kv_cache="int8"),
+                resolve_run(DENSE, kv_cache="int8", kernels="pallas_interpret", placement=FakePlacement(tensor=2))):
+        assert config.resolve(DENSE, run).num_pages == pages

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dayzero.engine import Engine, GenerationError, SamplingParams
-from dayzero.engine.measure import CompileCounter
+from dayzero.tools.measure import CompileCounter
 from dayzero.engine.serving import ServingConfig, ServingEngine
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.weights import abstract_weights, init_weights

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dayzero.convert import convert_checkpoint
 from dayzero.engine.cli import main
 from dayzero.engine.tokenizer import Tokenizer
-from dayzero.engine.verify import DEFAULT_PROMPT, Tolerance, compare
+from dayzero.tools.verify import DEFAULT_PROMPT, Tolerance, compare
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=256, max_position_embeddings=512, initializer_range=0.1)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dayzero.engine.measure import timed_speeds
+from dayzero.tools.measure import timed_speeds
 
 
 class PeerError(ValueError):

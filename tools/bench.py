@@ -14,12 +14,12 @@ from pathlib import Path
 
 import jax
 
-from dayzero.engine import peers
-from dayzero.engine.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
+from dayzero.tools import peers
+from dayzero.tools.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
 from dayzero.engine.sampling import SamplingParams
 from dayzero.model.quant import KVQuant, describe_weights, stored_bytes
 from dayzero.model.cache import init_cache
-from dayzero.engine.soak import soak
+from dayzero.tools.soak import soak
 
 
 class BenchError(ValueError):
@@ -165,7 +165,7 @@ def run_bench(args: argparse.Namespace, placement=None) -> int:
     if args.soak:
         result["soak"] = soak(engine, args.soak_len)
     if args.plot:
-        from dayzero.engine.plot import plot_bench
+        from dayzero.tools.plot import plot_bench
 
         plot_bench(result, Path(args.plot))
     if args.json:

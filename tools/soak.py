@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from dayzero.engine.measure import CompileCounter, bench_prompt, rss_mb
+from dayzero.tools.measure import CompileCounter, bench_prompt, rss_mb
 from dayzero.engine.sampling import SamplingParams
 
 

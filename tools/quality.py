@@ -7,7 +7,7 @@ Used by the accuracy gates (``tests/test_quant.py``) and ``bench/quant.py``.
   logits. So a quantized KV cache is read as decode reads it (only the keys of the chunk being
   run are still in float), which a single forward pass without a cache would not exercise.
 - KL: per-token KL(reference || candidate) in nats over the text's positions, mean and max
-  (``dayzero.engine.verify.logits_stats``).
+  (``dayzero.tools.verify.logits_stats``).
 - Greedy agreement (teacher-forced): the reference continues the text greedily by N tokens; the
   candidate reads the text plus that continuation, and the agreement is the fraction of the N
   positions where its argmax is the reference's token. Unlike the identical prefix of two
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.generate import Engine, bucket
-from dayzero.engine.verify import logits_stats
+from dayzero.tools.verify import logits_stats
 from dayzero.model.transformer import forward
 from dayzero.model.cache import append_to_cache, init_cache
 

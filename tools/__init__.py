@@ -1,0 +1,13 @@
+"""The tools around the runtime (``dayzero.tools``): what a team runs to trust a model on new
+hardware and to size a deployment, apart from what serves it (``dayzero.engine``).
+
+- ``verify``: layer-by-layer numerical alignment against HF transformers (``dayzero verify``);
+- ``bench``, ``measure``, ``peers``, ``soak``, ``plot``: time to first token, throughput, memory,
+  the same prompts through HF and llama.cpp side by side, long-context stability, plots
+  (``dayzero bench``);
+- ``plan``, ``plan_check``: the deployment planner's command and its check against XLA's memory
+  analysis of the engine's own step (``dayzero plan``);
+- ``quality``: KL and top-1 agreement of a quantized model against its float original.
+
+The checkpoint check (``dayzero check``) lives with the converter, ``dayzero.convert.check``.
+"""
