@@ -103,10 +103,25 @@ class _Request:
 
 
 class ServingEngine:
-    """Continuous-batching generation over an :class:`Engine`'s model with a paged KV cache."""
+    """Continuous-batching generation over an :class:`Engine`'s model with a paged KV cache.
+
+    On a mesh with a ``data`` axis > 1 (in one process) the engine made is a
+    ``dayzero.engine.replicas.ReplicatedServing``: one such engine per data replica, each with its
+    own slots and page pool on its own devices, behind this same interface. ``replicas`` lists
+    the engines that serve (``[self]`` otherwise).
+    """
+
+    def __new__(cls, engine: Engine, config: ServingConfig = ServingConfig()):
+        if cls is ServingEngine:
+            from dayzero.engine.replicas import ReplicatedServing, serves_replicas  # it imports this module
+
+            if serves_replicas(engine.placement):
+                return super().__new__(ReplicatedServing)
+        return super().__new__(cls)
 
     def __init__(self, engine: Engine, config: ServingConfig = ServingConfig()):
         self.engine = engine
+        self.replicas = [self]
         # Run as the engine is (its RunConfig: pages stored as its KV cache, its mesh, its
         # kernels unless ``config.kernels`` names others; see ``ServingConfig.resolve``).
         self.config = config.resolve(engine.config, engine.run)

@@ -64,8 +64,11 @@ def served(engine: Engine) -> dict:
     as the engine's run configuration says."""
     server = ServingEngine(engine, SERVING)
     outs = server.run(PROMPTS, max_new_tokens=NEW, ignore_eos=True, logprobs=True)
+    pools = [jax.tree.leaves(r.steps.pool)[0] for r in server.replicas]
     return {"tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
-            "kv_spec": _pool_spec(server), "kernels": server.config.kernels.value}
+            "kv_spec": _pool_spec(server), "kernels": server.config.kernels.value,
+            "replica_devices": [sorted(d.id for d in p.devices()) for p in pools],
+            "replica_requests": [r.stats.prefill_chunks > 0 for r in server.replicas]}
 
 
 def _pool_spec(server: ServingEngine) -> list[str] | None:
@@ -86,7 +89,8 @@ def run_case(case: str) -> dict:
         diff = max(abs(a - b) for r, g in zip(one["logprobs"], got["logprobs"]) for a, b in zip(r, g))
         name = "x".join(f"{a}{s}" for a, s in axes.items()) + f"-{kernels}-{kv}"
         out[name] = {"same_tokens": one["tokens"] == got["tokens"], "logprob_diff": diff,
-                     "pool_spec": got["kv_spec"], "run": mesh.run.describe(), "served_on": got["kernels"]}
+                     "pool_spec": got["kv_spec"], "run": mesh.run.describe(), "served_on": got["kernels"],
+                     "replica_devices": got["replica_devices"], "replica_requests": got["replica_requests"]}
     return out
 
 

@@ -1,8 +1,9 @@
 """Continuous batching on a mesh (8 faked CPU devices): tiny MoE models with quantized weights,
-served on ``tensor=2,expert=4`` and ``data=2,tensor=4`` on the reference path and on the kernels
-(``pallas_interpret``, inside ``shard_map``), with int8 and fp8 KV pages, give the tokens of
-single-device serving with the same settings (``tests/mesh_serving_checks.py``; one subprocess
-per model, since the device count is fixed when jax starts).
+served on ``tensor=2,expert=4`` and ``data=2,tensor=4`` (two replicas with their own slots and
+pools) on the reference path and on the kernels (``pallas_interpret``, inside ``shard_map``),
+with int8 and fp8 KV pages, give the tokens of single-device serving with the same settings
+(``tests/mesh_serving_checks.py``; one subprocess per model, since the device count is fixed
+when jax starts).
 
 The DeepSeek-V3 case stores fp8 blocks of 32 x 32 over 64-wide experts: ``tensor=4`` cuts every
 block in half, which the engine re-blocks exactly (``quant.reblocked``) so each shard's scales
@@ -46,6 +47,19 @@ def test_the_mesh_runs_what_was_asked(case):
         assert run["run"]["quantize"] == CASES[name][1].weights.value
         if not name.startswith("deepseek"):  # latent pools are whole on every device
             assert run["pool_spec"][0] == "tensor"
+
+
+def test_data_parallel_replicas_have_their_own_devices_pools_and_requests(case):
+    """On data=2 x tensor=4 the serving engine is two replicas, each with its page pool on its own
+    four devices, both serving requests; on tensor=2 x expert=4, one engine over all eight."""
+    name, result = case
+    for (axes, _, _), run in zip(RUNS[name], (v for k, v in result.items() if k != "devices")):
+        devices = run["replica_devices"]
+        if axes.get("data", 1) == 2:
+            assert len(devices) == 2 and all(len(d) == 4 for d in devices) and not set(devices[0]) & set(devices[1])
+            assert run["replica_requests"] == [True, True]
+        else:
+            assert devices == [list(range(8))]
 
 
 def test_cli_runs_everything_at_once_on_a_mesh(tiny_moe_hf, tmp_path):

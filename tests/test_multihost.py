@@ -65,20 +65,23 @@ def moe_dir(tiny_moe_hf, tmp_path_factory):
                               quantize="int8")
 
 
-def test_two_processes_serve_quantized_moe_on_kernels(moe_dir, capsys):
+@pytest.mark.parametrize("mesh", ["tensor=2,expert=4", "data=2,tensor=4"])
+def test_two_processes_serve_quantized_moe_on_kernels(moe_dir, capsys, mesh):
     """Everything at once over two processes x four devices: int8 weights, expert parallelism
-    (tensor=2 x expert=4), an int8 KV cache and the kernels (interpreted) reading its pages inside
-    shard_map, generation on the paged serving path; the tokens of one process on one device with
-    the same settings."""
+    (tensor=2 x expert=4) or data x tensor, an int8 KV cache and the kernels (interpreted) reading
+    its pages inside shard_map, generation on the paged serving path; the tokens of one process
+    on one device with the same settings. (Across processes a data replica's devices are another
+    process's, so serving there is one engine over the whole mesh: ``engine.replicas``.)"""
     run = ["--kv-cache", "int8", "--kernels", "pallas_interpret"]
     assert main([*_generate_args(moe_dir), *run]) == 0
     one = json.loads(capsys.readouterr().out)
     cmd = _dayzero("launch-local", "--processes", 2, "--devices-per-process", 4, "--",
-                   *_generate_args(moe_dir), *run, "--mesh", "tensor=2,expert=4")
+                   *_generate_args(moe_dir), *run, "--mesh", mesh)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     two = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert two["run"]["mesh"] == {"tensor": 2, "expert": 4} and two["run"]["quantize"] == "int8"
+    axes = {a: int(n) for a, n in (part.split("=") for part in mesh.split(","))}
+    assert two["run"]["mesh"] == axes and two["run"]["quantize"] == "int8"
     assert two["run"]["kernels"] == "pallas_interpret" and two["run"]["kv_cache"] == "int8"
     assert two["token_ids"] == one["token_ids"] and len(one["token_ids"]) == NEW
     assert max(abs(a - b) for a, b in zip(two["logprobs"], one["logprobs"])) < 1e-4

@@ -1,0 +1,142 @@
+"""Data-parallel serving: one serving engine per replica along the mesh's ``data`` axis.
+
+On a mesh with ``data`` = R > 1, a :class:`~dayzero.engine.serving.ServingEngine` is R replicas,
+each a serving engine of its own on its slice of the devices (``tensor`` x ``expert`` devices,
+the weights laid out there as the rules say): its own slots (``ServingConfig.slots`` each), its
+own page pool on its own devices, its own prefix cache and scheduler. A request goes to the
+replica with the fewest requests waiting or running (the first of those on a tie), and stays
+there; its tokens are those one device would give (a request's tokens depend only on its own
+inputs, see ``serving``). Memory scales with R: each replica's pool holds its own requests only.
+
+Every step steps each replica in turn. JAX dispatches asynchronously, but each replica's step
+reads its sampled tokens back before the next replica's step is dispatched, so the replicas'
+device work does not yet overlap (the next step for throughput: dispatch every replica's
+forward, then read all tokens back).
+
+Across processes a replica's devices may all belong to another process, which could not read
+its tokens back: there (not every mesh device addressable from this process), the serving
+engine stays one engine over the whole mesh, its pool replicated over ``data``
+(:func:`serves_replicas` decides; ``ServingEngine.replicas`` reports which).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+import jax
+
+from dayzero.engine.generate import Completion, Engine, GenerationError
+from dayzero.engine.paged_steps import ServingConfig
+from dayzero.engine.sampling import SamplingParams
+from dayzero.engine.serving import Event, ServingEngine, ServingStats
+from dayzero.sharding import rules as R
+from dayzero.sharding.placement import Placement, rules_for_mesh
+
+
+def serves_replicas(placement: Placement | None) -> bool:
+    """Whether serving on ``placement`` runs one replica per ``data`` index (see the module
+    docstring): a ``data`` axis > 1 and every device of the mesh in this process."""
+    if placement is None or placement.axes["data"] == 1:
+        return False
+    return all(d.process_index == jax.process_index() for d in placement.mesh.devices.flat)
+
+
+def replica_placements(placement: Placement) -> list[Placement]:
+    """One placement per index of ``placement``'s ``data`` axis: its ``tensor`` x ``expert``
+    devices, with the rules those axes choose (one device: everything whole on it)."""
+    axes = {a: s for a, s in placement.axes.items() if a != "data"}
+    rules = rules_for_mesh(axes)
+    data_index = list(placement.mesh.axis_names).index("data")
+    slices = [placement.mesh.devices.take(i, axis=data_index).reshape(-1) for i in range(placement.axes["data"])]
+    return [Placement(R.make_mesh(axes, list(devices)), rules) for devices in slices]
+
+
+class ReplicatedServing(ServingEngine):
+    """A :class:`ServingEngine` made of data-parallel replicas (see the module docstring); made by
+    ``ServingEngine(engine, config)`` when :func:`serves_replicas`, with the same interface."""
+
+    def __init__(self, engine: Engine, config: ServingConfig = ServingConfig()):
+        self.engine = engine
+        self.replicas = [ServingEngine(Engine(engine.config, engine.weights, engine.tokenizer,
+                                              run=dataclasses.replace(engine.run, placement=placement)), config)
+                         for placement in replica_placements(engine.placement)]
+        self.config = self.replicas[0].config
+        self.steps = self.replicas[0].steps
+        self._ids = itertools.count()
+        self._where: dict[int, tuple[int, int]] = {}  # request id -> (replica, its id there)
+        self._ours: list[dict[int, int]] = [{} for _ in self.replicas]  # per replica: its id -> request id
+
+    @property
+    def stats(self) -> ServingStats:
+        """The replicas' counters added up (peaks: the largest replica's)."""
+        fields = [f.name for f in dataclasses.fields(ServingStats)]
+        each = [r.stats for r in self.replicas]
+        return ServingStats(**{f: (max if f.startswith(("peak", "largest")) else sum)(getattr(s, f) for s in each)
+                               for f in fields})
+
+    def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64,
+               sampling: SamplingParams = SamplingParams(), chat: bool = False, ignore_eos: bool = False,
+               logprobs: bool = False) -> int:
+        """Queue one request on the least loaded replica; returns its id."""
+        index = self._least_loaded()
+        local = self.replicas[index].submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat,
+                                            ignore_eos=ignore_eos, logprobs=logprobs)
+        return self._register(index, local)
+
+    def run(self, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
+            sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), chat: bool = False,
+            ignore_eos: bool = False, logprobs: bool = False) -> list[Completion]:
+        """As :meth:`ServingEngine.run`: every prompt validated before any is queued, then all
+        served concurrently over the replicas; completions in order."""
+        n = len(prompts)
+        news = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
+        if len(news) != n or len(params) != n:
+            raise GenerationError(f"{len(news)} max_new_tokens and {len(params)} sampling settings for {n} prompts")
+        checked = [self.replicas[0]._request(p, m, s, chat, ignore_eos, logprobs) for p, m, s in zip(prompts, news, params)]
+        ids = []
+        for request in checked:
+            index = self._least_loaded()
+            replica = self.replicas[index]
+            request.id = next(replica._ids)
+            replica._waiting.append(request)
+            ids.append(self._register(index, request.id))
+        for _ in self.stream():
+            pass
+        return [self.completion(i) for i in ids]
+
+    @property
+    def has_work(self) -> bool:
+        """Whether any replica has a request waiting or running."""
+        return any(r.has_work for r in self.replicas)
+
+    def step(self) -> list[Event]:
+        """One step of every replica; their tokens, under this engine's request ids."""
+        events = []
+        for index, replica in enumerate(self.replicas):
+            ours = self._ours[index]
+            events += [dataclasses.replace(e, request_id=ours[e.request_id]) for e in replica.step()]
+        return events
+
+    def completion(self, request_id: int) -> Completion:
+        """The finished request ``request_id``, handed over once (``KeyError`` before)."""
+        index, local = self._where[request_id]
+        done = self.replicas[index].completion(local)
+        del self._where[request_id], self._ours[index][local]
+        return done
+
+    def warmup(self) -> int:
+        """Compile every step shape of every replica; returns the number of calls."""
+        return sum(r.warmup() for r in self.replicas)
+
+    def _least_loaded(self) -> int:
+        load = [len(r._waiting) + len(r._running()) for r in self.replicas]
+        return load.index(min(load))
+
+    def _register(self, index: int, local: int) -> int:
+        request_id = next(self._ids)
+        self._where[request_id] = (index, local)
+        self._ours[index][local] = request_id
+        return request_id
