@@ -182,8 +182,9 @@ def memory(args: argparse.Namespace, kind: str, length: int) -> dict:
                                num_pages=_pages(length + LONG_NEW))
         server = ServingEngine(engine, config)
         server.run([prompt], max_new_tokens=LONG_NEW, ignore_eos=True)
-        out = {"kv_allocated_mb": server.steps.kv_bytes / 2**20,
-               "kv_peak_in_use_mb": server.stats.peak_pages * server.steps.kv_bytes / config.num_pages / 2**20}
+        out = {"kv_allocated_mb": server.kv_bytes / 2**20,
+               "kv_peak_in_use_mb": server.stats.peak_pages * server.kv_bytes / (config.num_pages * len(server.replicas))
+               / 2**20}
     return {**out, "rss_after_load_mb": loaded, "peak_rss_after_load_mb": _peak_rss()}
 
 

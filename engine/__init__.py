@@ -1,4 +1,5 @@
-"""Generation: sampling, KV-cache management, the Python API, the CLI and benchmarks.
+"""The runtime: the run configuration, generation, paged serving, sampling, the Python API and the CLI
+(the tools around it, verify, bench and plan, are ``dayzero.tools``).
 
 Python API::
 

@@ -198,7 +198,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     """``dayzero generate``."""
     from dayzero.engine.generate import Engine
-    from dayzero.engine.runtime import kernels_record
+    from dayzero.engine.runtime import kernels_record, options_from_args
     from dayzero.engine.sampling import SamplingParams
 
     placement = _placement(args.mesh)
@@ -206,7 +206,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
-    engine = Engine.load(args.model, placement=placement, **_run_options(args))
+    engine = Engine.load(args.model, placement=placement, **options_from_args(args))
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     result = engine.generate(
         prompt,
@@ -224,12 +224,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print()
     return 0
-
-
-def _run_options(args: argparse.Namespace) -> dict:
-    """The run-configuration options of ``generate`` / ``bench`` as ``Engine.load`` takes them
-    (resolved and checked there, in ``dayzero.engine.runtime``)."""
-    return dict(quantize=args.quantize, kv_cache=args.kv_cache, kernels=args.kernels)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

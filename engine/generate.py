@@ -19,7 +19,7 @@ import numpy as np
 
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
-from dayzero.engine.runtime import RunConfig, default_dtype, resolve_run, weights_storage
+from dayzero.engine.runtime import RunConfig, RunConfigError, default_dtype, resolve_run, weights_storage
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
 from dayzero.model.parallel import Parallel
@@ -134,11 +134,15 @@ class Engine:
     """
 
     def __init__(self, config: ModelConfig, weights: Weights, tokenizer: Tokenizer | None = None,
-                 placement: Placement | None = None, kv_cache: KVQuant | str | None = KVQuant.NONE,
-                 kernels: KernelMode | str | None = KernelMode.REFERENCE, *, run: RunConfig | None = None):
+                 placement: Placement | None = None, kv_cache: KVQuant | str | None = None,
+                 kernels: KernelMode | str | None = None, *, run: RunConfig | None = None):
         """An engine over ``weights`` (float or quantized, on one device or anywhere). Without
         ``run``, the run configuration is resolved from ``placement``, ``kv_cache``, ``kernels``
-        and the weights' own dtype and storage; with one, those three arguments are ignored."""
+        (None: the platform's choice, as ``load``) and the weights' own dtype and storage; with
+        one, those three arguments are ignored."""
+        if run is not None and (placement, kv_cache, kernels) != (None, None, None):
+            raise RunConfigError("pass either run= or placement/kv_cache/kernels to Engine, not both: a run "
+                                 "configuration already holds them")
         if run is None:
             stored = weights_storage(weights)
             run = resolve_run(config, dtype=weights.embed.dtype, quantize=stored.weights, stored=stored,

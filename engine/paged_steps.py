@@ -25,9 +25,11 @@ weight matmuls run on fewer rows at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -93,9 +95,8 @@ class ServingConfig:
 
     def resolve(self, model: ModelConfig, run: RunConfig | None = None) -> "ServingConfig":
         """A copy with every default filled in for ``model`` run as ``run`` says (default: the
-        platform's choices on one device); the kernels are the run's unless this config names
-        its own, checked against the rest of the run. Checks the pool can hold one sequence of
-        ``max_context`` tokens."""
+        platform's choices on one device); the kernels are :meth:`run_for`'s. Checks the pool can
+        hold one sequence of ``max_context`` tokens, and that the kernels can address it."""
         context = self.max_context or model.max_position_embeddings
         if context > model.max_position_embeddings:
             raise GenerationError(
@@ -107,9 +108,14 @@ class ServingConfig:
             raise GenerationError(
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
-        run = with_kernels(run or resolve_run(model), model, self.kernels)
+        run = self.run_for(model, run)
         check_page_pool(run, model, pages, self.page_size)
         return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=run.kernels)
+
+    def run_for(self, model: ModelConfig, run: RunConfig | None = None) -> RunConfig:
+        """The run configuration serving runs with: ``run`` (default: the platform's choices on
+        one device) with this config's ``kernels`` if it names any, checked against the rest."""
+        return with_kernels(run or resolve_run(model), model, self.kernels)
 
     # ---- shape policy (on a resolved config) ----------------------------------------------------
 
@@ -199,6 +205,10 @@ def _forward_in_place(weights, tokens, pool, num_new, *, config, kernels, parall
     return logits, _pinned(with_written(pool, view), layout)
 
 
+# Step shapes compiled so far, per (model, run configuration, pool): what the jits above have cached.
+_COMPILED: set[tuple] = set()
+
+
 def _pinned(tree, layout):
     """``tree`` constrained to ``layout`` (a matching tree of shardings), or as it is (None)."""
     return tree if layout is None else jax.lax.with_sharding_constraint(tree, layout)
@@ -252,8 +262,9 @@ class PagedSteps:
 
     def __init__(self, config: ModelConfig, weights: Weights, serving: ServingConfig, run: RunConfig,
                  host=None):
-        """Steps for ``serving`` (resolved) of a model run as ``run`` says; ``host(value)`` turns
-        host arrays into step inputs (default: ``jnp.asarray``, one device)."""
+        """Steps for ``serving`` (resolved) of a model run as ``run`` says (``serving.run_for``:
+        its kernels are the ones steps attend with); ``host(value)`` turns host arrays into step
+        inputs (default: ``jnp.asarray``, one device)."""
         self.config, self.weights, self.serving, self.run = config, weights, serving, run
         self._host = host or (lambda value: jax.tree.map(jnp.asarray, value))
         self.parallel: Parallel | None = run.parallel
@@ -263,6 +274,7 @@ class PagedSteps:
         self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=weights.embed.dtype,
                                      kv_quant=run.kv_cache, shardings=self.layout)
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
+        self.compile_s = 0.0  # seconds of the first call of each step shape (compile, then run)
 
     @property
     def kv_bytes(self) -> int:
@@ -277,19 +289,37 @@ class PagedSteps:
 
         ``width``: the table width the attention reads (None: nothing cached, read nothing).
         """
-        self.shapes_run.add((*tokens.shape, width))
-        tokens, num_new = self._host(np.asarray(tokens, np.int32)), self._host(np.asarray(num_new, np.int32))
-        if self.reads_in_place(width):
-            read = self._with_rows(tables[:, :width], lengths)
-            logits, self.pool = _forward_in_place(self.weights, tokens, read, num_new, config=self.config,
-                                                  kernels=self.serving.kernels, parallel=self.parallel,
-                                                  layout=self.layout)
-            return logits
-        read = None if width is None else self._with_rows(tables[:, :width], lengths)
-        logits, new = _forward_logits(self.weights, tokens, num_new, read, config=self.config,
-                                      kernels=self.serving.kernels, parallel=self.parallel)
-        self.pool = _append(self._with_rows(tables, lengths), new, layout=self.layout)
+        shape = (*tokens.shape, width)
+        self.shapes_run.add(shape)
+        with self._compiling(shape) as done:
+            tokens, num_new = self._host(np.asarray(tokens, np.int32)), self._host(np.asarray(num_new, np.int32))
+            if self.reads_in_place(width):
+                read = self._with_rows(tables[:, :width], lengths)
+                logits, self.pool = _forward_in_place(self.weights, tokens, read, num_new, config=self.config,
+                                                      kernels=self.run.kernels, parallel=self.parallel,
+                                                      layout=self.layout)
+            else:
+                read = None if width is None else self._with_rows(tables[:, :width], lengths)
+                logits, new = _forward_logits(self.weights, tokens, num_new, read, config=self.config,
+                                              kernels=self.run.kernels, parallel=self.parallel)
+                self.pool = _append(self._with_rows(tables, lengths), new, layout=self.layout)
+            done(logits)
         return logits
+
+    @contextlib.contextmanager
+    def _compiling(self, shape: tuple):
+        """Time a step of ``shape`` into ``compile_s`` if no serving engine over this model, run
+        and pool ran it before (the jits are module-level, so that first call compiles);
+        ``done(result)`` waits for the result so the time covers the compile and the run."""
+        key = (self.config, self.run, self.serving.num_pages, self.serving.page_size, shape)
+        start, results = time.perf_counter(), []
+        yield results.append
+        if key not in _COMPILED:
+            jax.block_until_ready(results)
+            self.compile_s += time.perf_counter() - start
+            _COMPILED.add(key)
+
+
 
     def _with_rows(self, tables: np.ndarray, lengths: np.ndarray):
         """The pool with these rows' block tables and lengths, as a step's input."""
@@ -299,7 +329,7 @@ class PagedSteps:
     def reads_in_place(self, width: int | None) -> bool:
         """Whether a step reading ``width`` table pages runs on the paged kernels (any step that
         reads the cache, with a kernel mode) rather than the gathered reference path."""
-        return self.serving.kernels is not KernelMode.REFERENCE and width is not None
+        return self.run.on_kernels and width is not None
 
     def forward_args(self, tokens, num_new, lengths, tables, width) -> tuple:
         """(tokens, num_new, cache to read) of the reference path's forward call (``run_step``)."""

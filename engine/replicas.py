@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Sequence
-
 import jax
 
-from dayzero.engine.generate import Completion, Engine, GenerationError
+from dayzero.engine.generate import Completion, Engine
 from dayzero.engine.paged_steps import ServingConfig
-from dayzero.engine.sampling import SamplingParams
+from dayzero.engine.runtime import on_placement
 from dayzero.engine.serving import Event, ServingEngine, ServingStats
 from dayzero.sharding import rules as R
 from dayzero.sharding.placement import Placement, rules_for_mesh
@@ -60,52 +58,34 @@ class ReplicatedServing(ServingEngine):
     def __init__(self, engine: Engine, config: ServingConfig = ServingConfig()):
         self.engine = engine
         self.replicas = [ServingEngine(Engine(engine.config, engine.weights, engine.tokenizer,
-                                              run=dataclasses.replace(engine.run, placement=placement)), config)
+                                              run=on_placement(engine.run, engine.config, placement)), config)
                          for placement in replica_placements(engine.placement)]
         self.config = self.replicas[0].config
-        self.steps = self.replicas[0].steps
+        self.steps = self.replicas[0].steps  # one replica's steps (every replica runs the same shapes)
         self._ids = itertools.count()
         self._where: dict[int, tuple[int, int]] = {}  # request id -> (replica, its id there)
         self._ours: list[dict[int, int]] = [{} for _ in self.replicas]  # per replica: its id -> request id
 
     @property
     def stats(self) -> ServingStats:
-        """The replicas' counters added up (peaks: the largest replica's)."""
+        """The replicas' counters added up (``peak_pages``: the sum of each pool's peak, an upper
+        bound of the pages in use at once; ``largest_chunk_scores``: the largest replica's)."""
         fields = [f.name for f in dataclasses.fields(ServingStats)]
         each = [r.stats for r in self.replicas]
-        return ServingStats(**{f: (max if f.startswith(("peak", "largest")) else sum)(getattr(s, f) for s in each)
+        return ServingStats(**{f: (max if f == "largest_chunk_scores" else sum)(getattr(s, f) for s in each)
                                for f in fields})
 
-    def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64,
-               sampling: SamplingParams = SamplingParams(), chat: bool = False, ignore_eos: bool = False,
-               logprobs: bool = False) -> int:
-        """Queue one request on the least loaded replica; returns its id."""
-        index = self._least_loaded()
-        local = self.replicas[index].submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, chat=chat,
-                                            ignore_eos=ignore_eos, logprobs=logprobs)
-        return self._register(index, local)
+    def _request(self, *args):
+        """A request validated as every replica would (they share model, tokenizer and limits)."""
+        return self.replicas[0]._request(*args)
 
-    def run(self, prompts: Sequence[str | Sequence[int]], *, max_new_tokens: int | Sequence[int] = 64,
-            sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(), chat: bool = False,
-            ignore_eos: bool = False, logprobs: bool = False) -> list[Completion]:
-        """As :meth:`ServingEngine.run`: every prompt validated before any is queued, then all
-        served concurrently over the replicas; completions in order."""
-        n = len(prompts)
-        news = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
-        params = [sampling] * n if isinstance(sampling, SamplingParams) else list(sampling)
-        if len(news) != n or len(params) != n:
-            raise GenerationError(f"{len(news)} max_new_tokens and {len(params)} sampling settings for {n} prompts")
-        checked = [self.replicas[0]._request(p, m, s, chat, ignore_eos, logprobs) for p, m, s in zip(prompts, news, params)]
-        ids = []
-        for request in checked:
-            index = self._least_loaded()
-            replica = self.replicas[index]
-            request.id = next(replica._ids)
-            replica._waiting.append(request)
-            ids.append(self._register(index, request.id))
-        for _ in self.stream():
-            pass
-        return [self.completion(i) for i in ids]
+    def _enqueue(self, request) -> int:
+        """Queue ``request`` on the least loaded replica, under a fresh id of that replica; returns
+        this engine's id for it."""
+        index = self._least_loaded()
+        replica = self.replicas[index]
+        request.id = next(replica._ids)
+        return self._register(index, replica._enqueue(request))
 
     @property
     def has_work(self) -> bool:

@@ -19,20 +19,24 @@ the option and what to do. What runs (every combination not listed below):
 What is refused (:func:`resolve_run` raises):
 
 - ``--kernels pallas`` off a GPU (``pallas_interpret`` runs the same kernels anywhere);
-- the kernels on a mesh whose ``tensor`` size does not divide the query heads, or (GQA) the kv
-  heads: each device's kernel must see whole kv heads with all their query heads;
+- the kernels asked for by name on a mesh whose ``tensor`` size does not divide the query heads,
+  or (GQA) the kv heads: each device's kernel must see whole kv heads with all their query heads
+  (``auto`` resolves to the reference path there: the platform's best that runs);
 - a weight scheme that differs from the one a checkpoint is stored in;
 - ``--mesh expert=N`` on a model without experts, or with an expert count N does not divide
-  (and ``data`` x ``expert`` meshes, which have no rules table; see ``sharding.placement``);
+  (``data`` x ``expert`` meshes, which have no rules table, are refused earlier, when ``--mesh``
+  is turned into a placement: ``sharding.placement``'s ``MeshError``);
 - the MoE dispatch options (``capacity_factor``, ``grouped_matmul``) without an ``expert`` axis:
   they set the expert-parallel dispatch only;
-- the kernels over an int8/fp8 page pool of 2^31 to 2^32 elements per device
+- the kernels (``pallas``, and ``pallas_interpret``, which runs the same kernels and so keeps the
+  same limit) over an int8/fp8 page pool of 2^31 to 2^32 elements per device
   (:func:`check_page_pool`, when a serving engine sizes its pool).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -128,12 +132,9 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
         quant = _weight_storage(quantize, stored)
         kv = parse_kv_quant(kv_cache)
         mode = resolve_mode(KernelMode.AUTO if kernels is None else kernels)
-        matmul = None if grouped_matmul is None else GroupedMatmul(grouped_matmul)
     except (QuantError, KernelError) as e:
         raise RunConfigError(str(e)) from None
-    except ValueError:
-        choices = ", ".join(g.value for g in GroupedMatmul)
-        raise RunConfigError(f"grouped_matmul {grouped_matmul!r} is unknown; choose one of {choices}") from None
+    matmul = _grouped_matmul(grouped_matmul)
     if capacity_factor is not None and not capacity_factor > 0:
         raise RunConfigError(f"capacity_factor {capacity_factor} must be > 0 (or None for no dropped tokens)")
     expert_parallel = placement is not None and placement.axes["expert"] > 1
@@ -143,10 +144,22 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
             "expert > 1 only; add --mesh expert=N or leave them unset (one device uses the platform's matmul)")
     if placement is not None:
         check_placement(model, placement)
+        if mode is not KernelMode.REFERENCE and _spelled(kernels) == "auto" and not _kernels_fit(model, placement):
+            mode = KernelMode.REFERENCE  # auto: the platform's best that runs on this mesh
         if mode is not KernelMode.REFERENCE:
             _check_kernels_on_mesh(model, placement, mode)
     return RunConfig(jnp.dtype(dtype or default_dtype()), quant, kv, mode, placement, capacity_factor, matmul,
                      tuple(requested.items()))
+
+
+def _grouped_matmul(name) -> GroupedMatmul | None:
+    if name is None:
+        return None
+    try:
+        return GroupedMatmul(name)
+    except ValueError:
+        choices = ", ".join(g.value for g in GroupedMatmul)
+        raise RunConfigError(f"grouped_matmul {name!r} is unknown; choose one of {choices}") from None
 
 
 def _spelled(option: Any) -> str:
@@ -182,16 +195,21 @@ def check_placement(model: ModelConfig, placement: Placement) -> None:
             raise RunConfigError(str(e)) from None
 
 
+def _split_heads(model: ModelConfig) -> list[tuple[str, int]]:
+    """The head counts the kernels split over ``tensor`` (kv heads only where they are per head)."""
+    return [("query heads", model.num_heads)] + ([] if model.mla is not None else [("kv heads", model.num_kv_heads)])
+
+
+def _kernels_fit(model: ModelConfig, placement: Placement) -> bool:
+    """Whether every head count the kernels split divides ``placement``'s ``tensor`` size."""
+    return all(n % placement.axes["tensor"] == 0 for _, n in _split_heads(model))
+
+
 def _check_kernels_on_mesh(model: ModelConfig, placement: Placement, mode: KernelMode) -> None:
     """The kernels run per device inside ``shard_map`` over the head split: each device needs
     whole kv heads and all the query heads that read them."""
     tp = placement.axes["tensor"]
-    if tp == 1:
-        return
-    heads = [("query heads", model.num_heads)]
-    if model.mla is None:
-        heads.append(("kv heads", model.num_kv_heads))
-    for what, n in heads:
+    for what, n in _split_heads(model):
         if n % tp:
             raise RunConfigError(
                 f"--kernels {mode.value} on --mesh tensor={tp} needs the {n} {what} to split evenly over "
@@ -248,8 +266,26 @@ def weights_storage(weights: Any) -> QuantConfig:
         return QuantConfig(WeightQuant.INT4)
     blocked = [x.block for x in nodes if x.block is not None]
     if blocked:
-        return QuantConfig(WeightQuant.FP8_BLOCK, tuple(blocked[0]))
+        # Weights aligned for a mesh hold finer blocks that divide the stored one; their lcm is
+        # the coarsest block every leaf can be re-blocked from (the stored one when any leaf kept it).
+        return QuantConfig(WeightQuant.FP8_BLOCK, tuple(math.lcm(*(b[i] for b in blocked)) for i in range(2)))
     return QuantConfig(WeightQuant.FP8 if ValueFormat.FP8 in formats else WeightQuant.INT8)
+
+
+def on_placement(run: RunConfig, model: ModelConfig, placement: Placement | None) -> RunConfig:
+    """``run`` on another ``placement`` (e.g. one data replica's devices), checked as
+    :func:`resolve_run` checks a placement."""
+    if placement is not None:
+        check_placement(model, placement)
+        if run.on_kernels:
+            _check_kernels_on_mesh(model, placement, run.kernels)
+    return dataclasses.replace(run, placement=placement)
+
+
+def options_from_args(args: Any) -> dict[str, Any]:
+    """The run options of a parsed ``generate`` / ``bench`` command line as ``Engine.load``
+    takes them (``--quantize``, ``--kv-cache``, ``--kernels``); resolved by :func:`resolve_run`."""
+    return dict(quantize=args.quantize, kv_cache=args.kv_cache, kernels=args.kernels)
 
 
 def kernels_record(run: RunConfig) -> dict[str, str]:

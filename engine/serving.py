@@ -123,9 +123,10 @@ class ServingEngine:
         self.engine = engine
         self.replicas = [self]
         # Run as the engine is (its RunConfig: pages stored as its KV cache, its mesh, its
-        # kernels unless ``config.kernels`` names others; see ``ServingConfig.resolve``).
-        self.config = config.resolve(engine.config, engine.run)
-        self.steps = PagedSteps(engine.config, engine.weights, self.config, engine.run, host=engine._host)
+        # kernels unless ``config.kernels`` names others; see ``ServingConfig.run_for``).
+        run = config.run_for(engine.config, engine.run)
+        self.config = config.resolve(engine.config, run)
+        self.steps = PagedSteps(engine.config, engine.weights, self.config, run, host=engine._host)
         self.pool = PagePool(self.config.num_pages)
         self.stats = ServingStats()
         self._ids = itertools.count()
@@ -141,7 +142,10 @@ class ServingEngine:
                logprobs: bool = False) -> int:
         """Queue one request (text or token ids); returns its id. Validation as ``Engine.generate``,
         plus the serving limits (``max_context``)."""
-        request = self._request(prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs)
+        return self._enqueue(self._request(prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs))
+
+    def _enqueue(self, request: _Request) -> int:
+        """Queue a validated request; returns the id it is known by here."""
         self._waiting.append(request)
         return request.id
 
@@ -197,11 +201,15 @@ class ServingEngine:
             raise GenerationError(f"{len(news)} max_new_tokens and {len(params)} sampling settings for {n} prompts")
         # All validated before any is queued: a bad one leaves nothing half-submitted.
         requests = [self._request(p, m, s, chat, ignore_eos, logprobs) for p, m, s in zip(prompts, news, params)]
-        self._waiting.extend(requests)
-        ids = [r.id for r in requests]
+        ids = [self._enqueue(r) for r in requests]
         for _ in self.stream():
             pass
         return [self.completion(i) for i in ids]
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of the page pool(s) this engine allocated (every replica's)."""
+        return sum(r.steps.kv_bytes for r in self.replicas)
 
     def warmup(self) -> int:
         """Compile every step shape up front (after it, serving compiles nothing); returns the
@@ -351,15 +359,22 @@ def stream_on_pages(engine: Engine, ids: list[list[int]], max_new_tokens: int,
     kernel mode generates (its steps attend on the kernels): the rows are served concurrently, one
     slot each, and their tokens handed out position by position as every row has produced it."""
     context = max(2, min(max(len(r) for r in ids) + max_new_tokens, engine.config.max_position_embeddings))
-    server = ServingEngine(engine, ServingConfig(slots=len(ids), max_context=context))
+    page = ServingConfig.page_size
+    # Room for every row at full length at once: no row waits for pages (each position is handed
+    # out only when every row has produced it, so one waiting row would hold back all of them).
+    server = ServingEngine(engine, ServingConfig(slots=len(ids), page_size=page, max_context=context,
+                                                 num_pages=len(ids) * -(-context // page)))
     requests = [server.submit(r, max_new_tokens=max_new_tokens, sampling=p, ignore_eos=True)
                 for r, p in zip(ids, params)]
     row_of = {request: row for row, request in enumerate(requests)}
     produced: list[list[tuple[int, float]]] = [[] for _ in ids]
     position = 0
-    for event in server.stream():
-        produced[row_of[event.request_id]].append((event.token, event.logprob))
-        while position < max_new_tokens and all(len(p) > position for p in produced):
-            yield (np.array([p[position][0] for p in produced], np.int32),
-                   np.array([p[position][1] for p in produced], np.float32))
-            position += 1
+    try:
+        for event in server.stream():
+            produced[row_of[event.request_id]].append((event.token, event.logprob))
+            while position < max_new_tokens and all(len(p) > position for p in produced):
+                yield (np.array([p[position][0] for p in produced], np.int32),
+                       np.array([p[position][1] for p in produced], np.float32))
+                position += 1
+    finally:  # the engine's compile time includes the paged steps' (``bench`` reports it)
+        engine.compile_s += sum(r.steps.compile_s for r in server.replicas)

@@ -107,7 +107,6 @@ def sparse_attention_reference(q, kv, indices, *, value_dim: int, sm_scale: floa
     query's k picked rows [B,T,k,C] (and their scales, dequantizing, for a quantized kv), then
     softmax attention over them."""
     validate_sparse_attention(q, kv, indices, value_dim, sm_scale, kv_scales)
-    B = indices.shape[0]
     S = kv.shape[-2]
     valid, picked = picked_rows(indices, S, kv.ndim == 3)  # [B,T,k]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -131,13 +131,7 @@ def cache_specs(config: ModelConfig, batch: int, max_len: int,
     dequantized on read.
     """
     def buffer(shape: tuple[int, ...], axes: tuple[str | None, ...], channel_axis: int):
-        spec = ParamSpec(shape, axes, Init.ZEROS)
-        if kv_quant is KVQuant.NONE:
-            return spec
-        fmt = KV_FORMATS[kv_quant]
-        scale_axes = tuple(None if i == channel_axis else a for i, a in enumerate(axes))
-        scale = ParamSpec(scale_shape(shape, (channel_axis,), None), scale_axes, Init.ONES, jnp.dtype(jnp.float32))
-        return QuantizedArray(dataclasses.replace(spec, dtype=fmt.dtype), scale, fmt, (channel_axis,), None)
+        return buffer_spec(shape, axes, channel_axis, kv_quant)
 
     lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
     rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
@@ -156,31 +150,54 @@ def cache_specs(config: ModelConfig, batch: int, max_len: int,
     return KVCache(k=tuple(k for _ in layers), v=tuple(v for _ in layers), lengths=lengths, rope_len=rope_len)
 
 
+def buffer_spec(shape: tuple[int, ...], axes: tuple[str | None, ...], channel_axis: int,
+                kv_quant: KVQuant) -> ParamSpec | QuantizedArray:
+    """One cache buffer declared: a zero-initialised ``ParamSpec``, or with ``kv_quant`` a
+    ``QuantizedArray`` of its stored values and one fp32 scale per position outside
+    ``channel_axis`` (the scale keeps the values' other logical axes, so it splits with them).
+    The one declaration of a buffer, contiguous or paged."""
+    spec = ParamSpec(shape, axes, Init.ZEROS)
+    if kv_quant is KVQuant.NONE:
+        return spec
+    fmt = KV_FORMATS[kv_quant]
+    scale_axes = tuple(None if i == channel_axis else a for i, a in enumerate(axes))
+    scale = ParamSpec(scale_shape(shape, (channel_axis,), None), scale_axes, Init.ONES, jnp.dtype(jnp.float32))
+    return QuantizedArray(dataclasses.replace(spec, dtype=fmt.dtype), scale, fmt, (channel_axis,), None)
+
+
+def empty_from_specs(make_specs: Callable[..., Any], *args, shardings=None) -> Any:
+    """The tree ``make_specs(*args, dtype)`` declares (its last argument is the float dtype),
+    made empty (zeros, ones where the spec says), placed by ``shardings`` when given: made in
+    place on each device, with no host copy and no cross-process transfer. One jitted maker per
+    (specs function, sharding tree), so a second cache of the same shape does not compile."""
+    if shardings is None:
+        return _empty(make_specs, *args)
+    return _sharded_maker(make_specs, shardings, len(args))(*args)
+
+
+def _empty(make_specs, *args):
+    *spec_args, dtype = args
+
+    def empty(s: ParamSpec) -> jax.Array:
+        fill = jnp.ones if s.init is Init.ONES else jnp.zeros
+        return fill(s.shape, s.dtype or dtype)
+
+    return map_specs(empty, make_specs(*spec_args))
+
+
+@functools.lru_cache(maxsize=64)
+def _sharded_maker(make_specs, shardings, num_args: int):
+    return jax.jit(functools.partial(_empty, make_specs), static_argnums=tuple(range(num_args)),
+                   out_shardings=shardings)
+
+
 def init_cache(config: ModelConfig, batch: int, max_len: int, dtype=jnp.float32,
                kv_quant: KVQuant = KVQuant.NONE, shardings=None) -> KVCache | LatentCache:
     """An empty cache holding ``max_len`` positions for each of ``batch`` rows (latent rows for
     multi-head latent attention, per-head keys and values otherwise; quantized with
     ``kv_quant``), placed by ``shardings`` (a matching tree of shardings, e.g. from
     :func:`cache_specs`) when given."""
-    if shardings is None:
-        return _empty_cache(config, batch, max_len, dtype, kv_quant)
-    # Sharded: made in place on each device (no host copy, and no cross-process transfer when
-    # the mesh spans several processes).
-    return _sharded_cache_maker(shardings)(config, batch, max_len, dtype, kv_quant)
-
-
-def _empty_cache(config: ModelConfig, batch: int, max_len: int, dtype, kv_quant: KVQuant) -> KVCache | LatentCache:
-    def empty(s: ParamSpec) -> jax.Array:
-        fill = jnp.ones if s.init is Init.ONES else jnp.zeros
-        return fill(s.shape, s.dtype or dtype)
-
-    return map_specs(empty, cache_specs(config, batch, max_len, kv_quant))
-
-
-@functools.lru_cache(maxsize=64)
-def _sharded_cache_maker(shardings):
-    # One jitted maker per sharding tree, so a second request of the same shape does not compile.
-    return jax.jit(_empty_cache, static_argnums=(0, 1, 2, 3, 4), out_shardings=shardings)
+    return empty_from_specs(cache_specs, config, batch, max_len, kv_quant, jnp.dtype(dtype), shardings=shardings)
 
 
 @struct.dataclass

@@ -20,9 +20,9 @@ those k rows per query from the cache, so its work no longer grows with the cont
 many queries (prefill) narrows the dense masks instead, where scanning all keys is cheaper than
 gathering T*k rows. Both compute the same softmax over the same tokens.
 
-The block returns the new latent rows (and indexer keys); ``transformer.append_to_cache`` writes
-them, keeping ``forward``'s read and the cache's in-place write in separate jits (see
-transformer.py).
+The block returns the new latent rows (and indexer keys); ``cache.append_to_cache`` writes them,
+keeping ``forward``'s read and the cache's in-place write in separate jits (see ``model/cache.py``).
+With a quantized cache, the new rows are read as the cache will store them (``quant.as_stored``).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ attention's latent rows [P, page_size, C] and, with sparse attention, the indexe
 [P, page_size, J].
 
 With a quantized KV cache (``kv_quant`` int8 / fp8, as the contiguous cache's
-``transformer.cache_specs``) every pool is a :class:`~dayzero.model.quant.QuantizedArray`: stored
+``cache.cache_specs``) every pool is a :class:`~dayzero.model.quant.QuantizedArray`: stored
 values in the pool's layout and one fp32 scale per (kv head, page, slot) for keys and values
 (scale [K, P, page_size, 1]), per (page, slot) for latent rows and indexer keys ([P, page_size,
 1]). Writes quantize each new row; ``layer(i)`` gathers values and scales alike and hands the
@@ -37,18 +37,17 @@ it and ``with_written`` takes the written pages back (``dayzero.model.kernel_att
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 from flax import struct
 
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
-from dayzero.model.cache import NewKV, NewLatent, page_slots, write_head_rows, write_rows
+from dayzero.model.cache import (NewKV, NewLatent, buffer_spec, empty_from_specs, page_slots, write_head_rows,
+                                 write_rows)
 from dayzero.model.kernel_attention import HeadSplit, PagedKernelCache, gathered
-from dayzero.model.quant import KV_FORMATS, KVQuant, QuantizedArray, scale_shape
-from dayzero.model.weights import Init, ParamSpec, map_specs
+from dayzero.model.quant import KVQuant, QuantizedArray
+from dayzero.model.weights import Init, ParamSpec
 
 __all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "paged_cache_specs", "page_slots",
            "append_to_pages", "kernel_view", "with_written"]
@@ -57,7 +56,7 @@ __all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "paged_cache_
 @struct.dataclass
 class PagedKVCache:
     """Per-layer key and value pages [K, P, page_size, H], the rows' block tables [B, W] (page
-    ids, int32), their lengths [B] and ``rope_len`` (as :class:`~dayzero.model.transformer.KVCache`).
+    ids, int32), their lengths [B] and ``rope_len`` (as :class:`~dayzero.model.cache.KVCache`).
 
     Table entries past a row's last page may hold any page id: they are read (masked) but never
     written.
@@ -111,7 +110,7 @@ def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
 class PagedLatentCache:
     """Multi-head latent attention's paged cache: per layer latent pages [P, page_size, C]
     (and indexer key pages [P, page_size, J] with sparse attention), block tables [B, W],
-    lengths [B] and ``rope_len`` (as :class:`~dayzero.model.transformer.LatentCache`)."""
+    lengths [B] and ``rope_len`` (as :class:`~dayzero.model.cache.LatentCache`)."""
 
     latent_pages: tuple[jax.Array | QuantizedArray, ...]
     block_tables: jax.Array
@@ -144,20 +143,14 @@ class PagedLatentCache:
 def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1,
                       kv_quant: KVQuant = KVQuant.NONE) -> PagedKVCache | PagedLatentCache:
     """The paged cache declared abstractly: a ``ParamSpec`` (shape, logical axes) at every leaf,
-    as ``transformer.cache_specs`` declares the contiguous cache, so the pool's shapes
+    as ``cache.cache_specs`` declares the contiguous cache, so the pool's shapes
     (:func:`init_paged_cache`) and its shardings on a mesh (``Placement.shardings``) come from one
     tree. Per-head pools split their kv heads as the contiguous cache does (``kv_heads``); the
     latent and indexer-key pools have no head axis and no per-row axis, and stay whole on every
     device. With ``kv_quant`` every pool is a ``QuantizedArray`` of values and a float32 scale per
     (head,) page and slot, split with its values."""
     def pool(shape: tuple[int, ...], axes: tuple[str | None, ...]):
-        spec = ParamSpec(shape, axes, Init.ZEROS)
-        if kv_quant is KVQuant.NONE:
-            return spec
-        fmt, channel = KV_FORMATS[kv_quant], len(shape) - 1  # the channel is the last axis of every pool
-        scale = ParamSpec(scale_shape(shape, (channel,), None), axes[:-1] + (None,), Init.ONES,
-                          jnp.dtype(jnp.float32))
-        return QuantizedArray(dataclasses.replace(spec, dtype=fmt.dtype), scale, fmt, (channel,), None)
+        return buffer_spec(shape, axes, len(shape) - 1, kv_quant)  # the channel is every pool's last axis
 
     tables = ParamSpec((batch, table_width), ("batch", None), Init.ZEROS, jnp.dtype(jnp.int32))
     lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
@@ -183,18 +176,8 @@ def init_paged_cache(
     to serve sequences). ``kv_quant``: store the pages quantized (see the module docstring).
     ``shardings``: a matching tree of shardings (``Placement.shardings`` of
     :func:`paged_cache_specs`) to make each pool in place on its devices."""
-    args = (config, num_pages, page_size, batch, table_width, jnp.dtype(dtype), kv_quant)
-    if shardings is None:
-        return _empty_pool(*args)
-    return jax.jit(_empty_pool, static_argnums=tuple(range(len(args))), out_shardings=shardings)(*args)
-
-
-def _empty_pool(config, num_pages, page_size, batch, table_width, dtype, kv_quant):
-    def empty(s: ParamSpec) -> jax.Array:
-        fill = jnp.ones if s.init is Init.ONES else jnp.zeros
-        return fill(s.shape, s.dtype or dtype)
-
-    return map_specs(empty, paged_cache_specs(config, num_pages, page_size, batch, table_width, kv_quant))
+    return empty_from_specs(paged_cache_specs, config, num_pages, page_size, batch, table_width, kv_quant,
+                            jnp.dtype(dtype), shardings=shardings)
 
 
 def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLatent) -> PagedKVCache | PagedLatentCache:

@@ -288,12 +288,6 @@ def quantize_like(x: jax.Array, like: QuantizedArray) -> QuantizedArray:
     return quantize(x, like.fmt, like.in_axes, like.block)
 
 
-def empty_quantized(shape: tuple[int, ...], fmt: ValueFormat, in_axes: tuple[int, ...]) -> QuantizedArray:
-    """A zero array in channel layout (an empty quantized cache buffer)."""
-    return QuantizedArray(jnp.zeros(shape, fmt.dtype), jnp.ones(scale_shape(shape, in_axes, None), jnp.float32),
-                          fmt, tuple(in_axes), None)
-
-
 def as_stored(x: jax.Array, cache: Any) -> jax.Array:
     """``x`` [..., C] (new rows for a cache) as ``cache`` gives them back once written: quantized
     with its format, one scale per row, then dequantized; unchanged when ``cache`` is not a

@@ -38,14 +38,19 @@ def test_served_tokens_equal_one_device(case):
 
 
 def test_the_mesh_runs_what_was_asked(case):
-    """The resolved configuration is the one requested (nothing silently swapped for another
-    path), and per-head pages are split over tensor like the contiguous cache."""
+    """The resolved configuration is the one requested, the steps traced the kernels (every call
+    inside shard_map) exactly when a kernel mode was asked for, and per-head pages are split over
+    tensor like the contiguous cache."""
     name, result = case
     for (axes, kernels, kv), run in zip(RUNS[name], (v for k, v in result.items() if k != "devices")):
         assert run["run"]["kernels"] == kernels == run["served_on"] and run["run"]["kv_cache"] == kv
+        if kernels == "reference":
+            assert run["kernel_calls"] == 0
+        else:
+            assert run["kernel_calls"] > 0 and run["kernels_in_shard_map"]
         assert run["run"]["mesh"] == axes
         assert run["run"]["quantize"] == CASES[name][1].weights.value
-        if not name.startswith("deepseek"):  # latent pools are whole on every device
+        if name.startswith("qwen3"):  # per-head pages; latent pools are whole on every device
             assert run["pool_spec"][0] == "tensor"
 
 

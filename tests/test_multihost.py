@@ -71,7 +71,7 @@ def test_two_processes_serve_quantized_moe_on_kernels(moe_dir, capsys, mesh):
     (tensor=2 x expert=4) or data x tensor, an int8 KV cache and the kernels (interpreted) reading
     its pages inside shard_map, generation on the paged serving path; the tokens of one process
     on one device with the same settings. (Across processes a data replica's devices are another
-    process's, so serving there is one engine over the whole mesh: ``engine.replicas``.)"""
+    process's, so serving there is one engine over the whole mesh: ``ServingEngine.replicas``.)"""
     run = ["--kv-cache", "int8", "--kernels", "pallas_interpret"]
     assert main([*_generate_args(moe_dir), *run]) == 0
     one = json.loads(capsys.readouterr().out)

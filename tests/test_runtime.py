@@ -96,6 +96,25 @@ def test_kernels_on_a_mesh_need_whole_heads_per_device():
         resolve_run(MOE, kernels="pallas_interpret", placement=FakePlacement(tensor=8))
 
 
+def test_auto_kernels_take_the_reference_path_where_they_cannot_split(monkeypatch):
+    """Where ``auto`` means the kernels (a GPU, faked here), a mesh whose tensor size the heads do
+    not divide resolves to the reference path (the platform's best that runs there), and one they
+    divide keeps the kernels; asked for by name, the first is refused."""
+    import dayzero.kernels.mode as mode
+
+    monkeypatch.setitem(mode.AUTO_DEFAULTS, mode.current_platform(), KernelMode.PALLAS_INTERPRET)
+    assert resolve_run(DENSE, placement=FakePlacement(tensor=4)).kernels is KernelMode.REFERENCE
+    assert resolve_run(DENSE, placement=FakePlacement(tensor=2)).kernels is KernelMode.PALLAS_INTERPRET
+    with pytest.raises(RunConfigError, match="kv heads"):
+        resolve_run(DENSE, kernels="pallas_interpret", placement=FakePlacement(tensor=4))
+
+
+def test_a_run_and_loose_options_together_are_refused():
+    weights = init_weights(abstract_weights(DENSE), jax.random.key(0))
+    with pytest.raises(RunConfigError, match="either run= or placement/kv_cache/kernels"):
+        Engine(DENSE, weights, kernels="reference", run=resolve_run(DENSE))
+
+
 def test_a_serving_engines_own_kernels_are_checked_against_the_run():
     run = resolve_run(DENSE, placement=FakePlacement(tensor=4))
     with pytest.raises(RunConfigError, match="kv heads"):

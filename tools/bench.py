@@ -146,6 +146,7 @@ def run_bench(args: argparse.Namespace, placement=None) -> int:
     """Run the benchmark described by the parsed ``dayzero bench`` arguments (on ``placement``'s
     mesh when given: a ``dayzero.sharding.placement.Placement``)."""
     from dayzero.engine.generate import Engine
+    from dayzero.engine.runtime import options_from_args
 
     prompt_lens = _int_list(args.prompt_len, "--prompt-len")
     batches = _int_list(args.batch, "--batch")
@@ -155,8 +156,7 @@ def run_bench(args: argparse.Namespace, placement=None) -> int:
     if args.new_tokens < 2:
         raise BenchError("--new-tokens must be >= 2 to measure decoding")
     peer_map = make_peers(args)
-    engine = Engine.load(args.model, placement=placement, quantize=args.quantize, kv_cache=args.kv_cache,
-                         kernels=args.kernels)
+    engine = Engine.load(args.model, placement=placement, **options_from_args(args))
     runs = _runs(engine, args, peer_map, prompt_lens, batches)
     result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend(),
               "mesh": None if placement is None else placement.axes,

@@ -4,8 +4,9 @@ Used by the accuracy gates (``tests/test_quant.py``) and ``bench/quant.py``.
 
 - Both models read the same token sequence the way generation does: in chunks of ``CHUNK``
   tokens, each attending to the cache written by the chunks before it, keeping every position's
-  logits. So a quantized KV cache is read as decode reads it (only the keys of the chunk being
-  run are still in float), which a single forward pass without a cache would not exercise.
+  logits. So a quantized KV cache is read as decode reads it (the chunk's own keys too, as the
+  cache stores them: ``quant.as_stored``), which a single forward pass without a cache would not
+  exercise.
 - KL: per-token KL(reference || candidate) in nats over the text's positions, mean and max
   (``dayzero.tools.verify.logits_stats``).
 - Greedy agreement (teacher-forced): the reference continues the text greedily by N tokens; the

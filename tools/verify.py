@@ -299,19 +299,19 @@ def run_dayzero(dst: Path, ids: list[int], placement: Any = None) -> tuple[list[
 
     from dayzero.convert import load_checkpoint
     from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization
-    from dayzero.model.parallel import Parallel
     from dayzero.model.transformer import forward
     from dayzero.model.weights import abstract_weights
 
     shardings = parallel = None
     tokens = np.asarray([ids], np.int32)
     if placement is not None:
-        from dayzero.engine.runtime import check_placement
+        from dayzero.engine.runtime import resolve_run
 
-        config = read_config(dst)
-        check_placement(config, placement)
-        shardings = placement.shardings(abstract_weights(config, stored_quantization(read_manifest(dst))))
-        parallel = Parallel(placement)
+        config, stored = read_config(dst), stored_quantization(read_manifest(dst))
+        # fp32 on the reference path, as stored: the mesh's other choices from the one resolver.
+        parallel = resolve_run(config, dtype=jnp.float32, stored=stored, kernels="reference",
+                               placement=placement).parallel
+        shardings = placement.shardings(abstract_weights(config, stored))
         tokens = placement.replicate(tokens)
     config, weights = load_checkpoint(dst, jnp.float32, shardings)
 
