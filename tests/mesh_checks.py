@@ -38,12 +38,24 @@ def run_part(part: str, *args: str, timeout: int = 300, module: str = "tests.mes
     """Run one part below (or of ``module``) in a fresh interpreter with 8 CPU devices; return its
     JSON result. ``fast_compile``: XLA's backend optimisations off (compiles ~40% faster; for
     checks that compare two runs in the same process, which the flag affects alike)."""
+    return result_of(start_part(part, *args, module=module, fast_compile=fast_compile), timeout)
+
+
+def start_part(part: str, *args: str, module: str = "tests.mesh_checks", fast_compile: bool = False
+               ) -> subprocess.Popen:
+    """Start one part as :func:`run_part` runs it, without waiting (start several, then collect
+    them with :func:`result_of`: compiling is single-threaded, so two at once use both cores)."""
     flags = "--xla_force_host_platform_device_count=8" + (" --xla_backend_optimization_level=0" * fast_compile)
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", module, part, *map(str, args)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return subprocess.Popen([sys.executable, "-m", module, part, *map(str, args)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def result_of(proc: subprocess.Popen, timeout: int = 300) -> dict:
+    """The JSON result of a part started by :func:`start_part`."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err[-4000:]
+    return json.loads(out.strip().splitlines()[-1])
 NEW = 6
 
 

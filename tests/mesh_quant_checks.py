@@ -2,7 +2,7 @@
 tests/test_mesh_quant.py.
 
 ``python -m tests.mesh_quant_checks PART`` with XLA_FLAGS=--xla_force_host_platform_device_count=8
-(see ``ENV``) prints one JSON object of measurements. Each part quantizes its model's weights once on one
+(``tests.mesh_checks.start_part`` sets it) prints one JSON object of measurements. Each part quantizes its model's weights once on one
 device, computes the one-device all-position logits, then for each mesh re-aligns the block scales
 (``mesh_aligned_specs`` / ``aligned_weights``), lays the weights out with ``jax.device_put`` and
 runs ``forward(..., parallel=Parallel(placement))`` on it. One subprocess per part, since the
@@ -12,8 +12,6 @@ device count is fixed when jax starts (see tests/mesh_checks.py).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import jax
@@ -32,12 +30,9 @@ from dayzero.model.weights import (
 from dayzero.sharding.placement import placement_for
 from tests.mesh_checks import logits_and_router_gap, rel_err
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Compiling is nearly all the time here (a dozen forward programs per part); LLVM's optimisation
-# level 0 compiles them ~40% faster. Reference and mesh logits come from the same process, so both
-# sides of every comparison are compiled alike.
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-           JAX_PLATFORMS="cpu")
+# Compiling is nearly all the time here (a dozen forward programs per part), so the tests start the
+# parts with ``fast_compile`` (XLA's backend optimisation level 0, ~40% faster compiles); reference
+# and mesh logits come from the same process, so both sides of every comparison compile alike.
 
 BASE = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=256, max_position_embeddings=128,
             rms_norm_eps=1e-5, num_experts_per_tok=2)
@@ -57,19 +52,6 @@ BLOCK = (32, 32)
 MESHES = {"tp2ep4": {"tensor": 2, "expert": 4}, "dp2tp4": {"data": 2, "tensor": 4},
           "tp4ep2": {"tensor": 4, "expert": 2}}
 SEEDS = {"qwen": 0, "latent": 0}
-
-
-def start_part(part: str) -> subprocess.Popen:
-    """Start one part below in a fresh interpreter with 8 CPU devices."""
-    return subprocess.Popen([sys.executable, "-m", "tests.mesh_quant_checks", part], env=ENV, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def result_of(proc: subprocess.Popen, timeout: int = 300) -> dict:
-    """The JSON result of a part started by :func:`start_part`."""
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, err[-4000:]
-    return json.loads(out.strip().splitlines()[-1])
 
 
 def tokens_for(config, seed: int) -> np.ndarray:

@@ -34,7 +34,8 @@ from dayzero.model.weights import (
     named_leaves,
 )
 from dayzero.sharding import rules as R
-from tests.mesh_quant_checks import BLOCK, LATENT, QWEN, quantized_weights, result_of, start_part
+from tests.mesh_checks import result_of, start_part
+from tests.mesh_quant_checks import BLOCK, LATENT, QWEN, quantized_weights
 from tests.test_sharding import FakeMesh
 
 FP32_ROUNDING = 1e-5  # relative to the largest |logit|: same maths, summed in another order
@@ -43,7 +44,8 @@ MIN_ROUTER_GAP = 1e-4  # the C-th vs (C+1)-th router logit; a near-tie would tes
 
 @pytest.fixture(scope="module")
 def meshes():
-    procs = {part: start_part(part) for part in ("qwen", "latent")}  # both at once: two cores
+    procs = {part: start_part(part, module="tests.mesh_quant_checks", fast_compile=True)  # both at once: two cores
+             for part in ("qwen", "latent")}
     try:
         return {part: result_of(proc) for part, proc in procs.items()}
     finally:

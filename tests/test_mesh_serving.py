@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.mesh_checks import run_part
+from tests.mesh_checks import result_of, start_part
 from tests.mesh_serving_checks import CASES, RUNS
 
 # Same maths on one device and on the mesh, summed in another order: fp32 rounding only. A wrong
@@ -22,9 +22,19 @@ from tests.mesh_serving_checks import CASES, RUNS
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
-def case(request):
-    return request.param, run_part(request.param, module="tests.mesh_serving_checks", timeout=600, fast_compile=True)
+@pytest.fixture(scope="module")
+def results(tiny_moe_hf, tmp_path_factory):
+    """Every case and the CLI run, started at once (compiling is single-threaded: two cores)."""
+    parts = {name: (name,) for name in CASES}
+    parts["cli"] = ("cli", tiny_moe_hf, tmp_path_factory.mktemp("mesh_cli"))
+    procs = {name: start_part(*args, module="tests.mesh_serving_checks", fast_compile=True)
+             for name, args in parts.items()}
+    return {name: result_of(proc, timeout=900) for name, proc in procs.items()}
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request, results):
+    return request.param, results[request.param]
 
 
 def test_served_tokens_equal_one_device(case):
@@ -50,8 +60,8 @@ def test_the_mesh_runs_what_was_asked(case):
             assert run["kernel_calls"] > 0 and run["kernels_in_shard_map"]
         assert run["run"]["mesh"] == axes
         assert run["run"]["quantize"] == CASES[name][1].weights.value
-        if name.startswith("qwen3"):  # per-head pages; latent pools are whole on every device
-            assert run["pool_spec"][0] == "tensor"
+        if name.startswith("qwen3"):  # per-head pages, split where the 2 kv heads divide tensor
+            assert run["pool_spec"][0] == ("tensor" if 2 % axes["tensor"] == 0 else "None")
 
 
 def test_data_parallel_replicas_have_their_own_devices_pools_and_requests(case):
@@ -67,11 +77,11 @@ def test_data_parallel_replicas_have_their_own_devices_pools_and_requests(case):
             assert devices == [list(range(8))]
 
 
-def test_cli_runs_everything_at_once_on_a_mesh(tiny_moe_hf, tmp_path):
+def test_cli_runs_everything_at_once_on_a_mesh(results):
     """``dayzero generate --mesh tensor=2,expert=4 --quantize fp8-block --kv-cache int8 --kernels
     pallas_interpret``, and a checkpoint converted for one mesh loaded on another: the tokens of
     one device with the same settings, and --json names the resolved configuration."""
-    out = run_part("cli", tiny_moe_hf, tmp_path, module="tests.mesh_serving_checks", timeout=600, fast_compile=True)
+    out = results["cli"]
     assert out["convert_float"] == 0 and out["convert_fp8"] == 0
     for name, mesh in (("at_load", {"tensor": 2, "expert": 4}), ("converted", {"data": 2, "tensor": 4})):
         run = out[name]
