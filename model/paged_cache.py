@@ -146,8 +146,8 @@ def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch
     as ``cache.cache_specs`` declares the contiguous cache, so the pool's shapes
     (:func:`init_paged_cache`) and its shardings on a mesh (``Placement.shardings``) come from one
     tree. Per-head pools split their kv heads as the contiguous cache does (``kv_heads``); the
-    latent and indexer-key pools have no head axis and no per-row axis, and stay whole on every
-    device. With ``kv_quant`` every pool is a ``QuantizedArray`` of values and a float32 scale per
+    latent and indexer-key pools have no head axis: their page axis is ``latent_pages``, which
+    the rules keep whole (``sharding.rules`` says why). With ``kv_quant`` every pool is a ``QuantizedArray`` of values and a float32 scale per
     (head,) page and slot, split with its values."""
     def pool(shape: tuple[int, ...], axes: tuple[str | None, ...]):
         return buffer_spec(shape, axes, len(shape) - 1, kv_quant)  # the channel is every pool's last axis
@@ -160,8 +160,9 @@ def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch
         width = config.mla.kv_lora_rank + config.mla.rope_dim
         keys = None
         if config.dsa is not None:
-            keys = tuple(pool((num_pages, page_size, config.dsa.head_dim), (None, None, None)) for _ in range(L))
-        latent = tuple(pool((num_pages, page_size, width), (None, None, None)) for _ in range(L))
+            keys = tuple(pool((num_pages, page_size, config.dsa.head_dim), ("latent_pages", None, None))
+                         for _ in range(L))
+        latent = tuple(pool((num_pages, page_size, width), ("latent_pages", None, None)) for _ in range(L))
         return PagedLatentCache(latent, tables, lengths, rope_len, keys)
     kv = pool((config.num_kv_heads, num_pages, page_size, config.head_dim), ("kv_heads", None, None, "head_dim"))
     return PagedKVCache(k_pages=(kv,) * L, v_pages=(kv,) * L, block_tables=tables, lengths=lengths, rope_len=rope_len)

@@ -39,6 +39,7 @@ LOGICAL_AXES = (
     "cache_seq",
     "latent",
     "latent_seq",
+    "latent_pages",
 )
 
 
@@ -88,6 +89,11 @@ def _rules(name: str, **overrides: str | None) -> Rules:
 # The MLA latent cache has no head axis; left whole it would be copied on every tensor device
 # (61 layers x 576 x 2 bytes = 70 KB per token for DeepSeek-V3, 70 GB at 1M tokens), so its
 # positions are split over ``tensor`` instead and the softmax reduces across devices.
+#
+# ``latent_pages``, the page axis of the paged latent (and DSA indexer-key) pools, stays whole in
+# every strategy: a paged kernel reads a row's pages in one program and returns a normalised
+# output, not the softmax statistics a merge across devices would need (as ``mla_parallel`` merges
+# the split contiguous cache). Splitting it is the next step for long-context MLA serving.
 _TENSOR = dict(q_heads="tensor", kv_heads="tensor", ffw="tensor", vocab="tensor", latent_seq="tensor")
 
 
