@@ -21,7 +21,7 @@ mkdir -p /tmp/dayzero_path && ln -sfn "$PWD" /tmp/dayzero_path/dayzero
 export PYTHONPATH="/tmp/dayzero_path${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
-timeout 200 python3 -m pytest -q -rs tests/test_kernels.py tests/test_kernels_attention.py tests/test_kernels_quant.py 2>&1 | tee "$out/tests.log"
+timeout 200 python3 -m pytest -q -rs -o addopts="" tests/test_kernels.py tests/test_kernels_attention.py tests/test_kernels_quant.py 2>&1 | tee "$out/tests.log"
 timeout 200 python3 bench/kernels.py --json > "$out/kernels.json" 2> "$out/kernels.err"
 echo "bench/kernels.py exit $?"
 tail -c 3000 "$out/kernels.json"
