@@ -292,14 +292,12 @@ class PagedSteps:
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
         with self._compiling(shape) as done:
-            tokens, num_new = self._host(np.asarray(tokens, np.int32)), self._host(np.asarray(num_new, np.int32))
+            tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
             if self.reads_in_place(width):
-                read = self._with_rows(tables[:, :width], lengths)
                 logits, self.pool = _forward_in_place(self.weights, tokens, read, num_new, config=self.config,
                                                       kernels=self.run.kernels, parallel=self.parallel,
                                                       layout=self.layout)
             else:
-                read = None if width is None else self._with_rows(tables[:, :width], lengths)
                 logits, new = _forward_logits(self.weights, tokens, num_new, read, config=self.config,
                                               kernels=self.run.kernels, parallel=self.parallel)
                 self.pool = _append(self._with_rows(tables, lengths), new, layout=self.layout)
@@ -319,8 +317,6 @@ class PagedSteps:
             self.compile_s += time.perf_counter() - start
             _COMPILED.add(key)
 
-
-
     def _with_rows(self, tables: np.ndarray, lengths: np.ndarray):
         """The pool with these rows' block tables and lengths, as a step's input."""
         return self.pool.replace(block_tables=self._host(np.asarray(tables, np.int32)),
@@ -332,7 +328,7 @@ class PagedSteps:
         return self.run.on_kernels and width is not None
 
     def forward_args(self, tokens, num_new, lengths, tables, width) -> tuple:
-        """(tokens, num_new, cache to read) of the reference path's forward call (``run_step``)."""
+        """(tokens, num_new, cache to read) of a step's forward call (``run_step``), as step inputs."""
         read = None if width is None else self._with_rows(tables[:, :width], lengths)
         return self._host(np.asarray(tokens, np.int32)), self._host(np.asarray(num_new, np.int32)), read
 
