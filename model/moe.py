@@ -7,7 +7,10 @@
 2. Dispatch: the B*T*C (token, expert) pairs are sorted by expert, so that each expert's rows
    are contiguous, and a histogram of the choices gives each expert's group size
    (:func:`sort_by_expert`).
-3. Grouped SwiGLU: each group of rows goes through its own expert (:func:`grouped_swiglu`).
+3. Grouped SwiGLU: each group of rows goes through its own expert (:func:`grouped_swiglu`, in
+   one of two ways, :class:`GroupedMatmul`). Quantized expert stacks are dequantized piecewise,
+   never whole: one expert at a time in the expert loop, one tile of every expert at a time
+   on the ``ragged_dot`` path (:func:`ragged_matmul`, :data:`TILE_BYTES`).
 4. Combine: the rows are put back in pair order and summed per token with the routing weights;
    shared experts (DeepSeek-V3), if any, run on every token and are added.
 
@@ -19,12 +22,13 @@ only the weights of the experts its tokens chose.
 from __future__ import annotations
 
 import enum
+import math
 
 import jax
 import jax.numpy as jnp
 
 from dayzero.model.config import MoEConfig, RouterScore
-from dayzero.model.quant import dequantized
+from dayzero.model.quant import QuantizedArray, dequantized
 from dayzero.model.weights import MoEWeights
 
 
@@ -36,6 +40,14 @@ class GroupedMatmul(enum.Enum):
     ``jax.lax.ragged_dot``, which TPUs run as a grouped matmul; XLA:CPU expands it into a product
     with every expert for every row (measured here: 512 rows x [E,256,256] take 15 ms at E=8 and
     690 ms at E=256), and jaxlib 0.10's XLA:GPU is reported to do the same.
+
+    ``ragged_dot`` takes every expert's matrix at once, in the compute dtype. A float stack is
+    passed whole; a quantized one is dequantized and multiplied in tiles of every expert, cut
+    along the model width D, of at most :data:`TILE_BYTES` (:func:`ragged_swiglu`), so no
+    temporary holds the dequantized stack. On XLA:CPU each step still pays the expansion above
+    (measured, 256 rows x int8 [64,512,512] on 2 shared cores: 0.8-1.1 s whole or in 2 or 4 tiles,
+    float 0.6-0.9 s, the expert loop 0.03 s; temporaries 232 MiB whole, 80 MiB in 4 tiles, most
+    of it the expansion's masked copies of the rows).
     """
 
     EXPERT_LOOP = "expert_loop"
@@ -52,6 +64,20 @@ DEFAULT_GROUPED_MATMUL = {
 # size barely matters on CPU (measured: within noise for 64/16/4/1, 128/32/8/1 and 32/8/1);
 # what costs is reading each active expert's weights, once per expert.
 CHUNKS = (64, 8, 1)
+
+# Most bytes of dequantized weights (counted in fp32) that one step of the ragged_dot path makes
+# from a quantized expert stack. ragged_dot needs every expert's matrix in the compute dtype at
+# once, and dequantizing a whole stack would be a temporary the size of the float layer: 7.5 GB
+# in bf16 for one DeepSeek-V3 matrix [256, 7168, 2048], nearly half a 16 GiB accelerator. 64 MiB
+# is under 0.5% of the smallest accelerator memory targeted, yet still a tile of 16M weights, so
+# the per-step cost (loop, re-reading the rows, the fp32 partial sums) stays small beside the
+# weight read at decode sizes. A tile is at least 128 rows of D by all of F (see ragged_swiglu),
+# so the budget holds while a device's E x F <= 128K (Mixtral 8 x 14336, Qwen3-30B-A3B 128 x 768;
+# DeepSeek-V3 256 x 2048 from 4 devices on); one device of DeepSeek-V3 gets 256 MiB tiles, still
+# 1/56 of the whole stack.
+TILE_BYTES = 64 * 2**20
+# Tiles are whole multiples of this many rows / columns (and of the scale block): MXU-shaped.
+TILE_ALIGN = 128
 
 
 def router_logits(router: jax.Array, x: jax.Array) -> jax.Array:
@@ -149,11 +175,93 @@ def _expert_loop_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array) ->
     return jax.lax.fori_loop(0, count, one_expert, out)
 
 
-def _ragged_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Grouped SwiGLU as three ``jax.lax.ragged_dot`` calls."""
-    gate = jax.lax.ragged_dot(xs, dequantized(w.gate, xs.dtype), group_sizes)
-    up = jax.lax.ragged_dot(xs, dequantized(w.up, xs.dtype), group_sizes)
-    return jax.lax.ragged_dot(jax.nn.silu(gate) * up, dequantized(w.down, xs.dtype), group_sizes)
+def ragged_tile(w: QuantizedArray, axis: int, tile_bytes: int = TILE_BYTES) -> int:
+    """How much of ``axis`` (1: contracted rows, 2: output columns) of a quantized expert stack
+    ``w`` [E, In, Out] one step of :func:`ragged_matmul` dequantizes, the other axis whole.
+
+    As much as keeps the tile's fp32 values [E, rows, Out] or [E, In, columns] within
+    ``tile_bytes``, in whole granules: the scale block along ``axis`` (so a tile's scales are
+    whole blocks; the last tile may end in a partial one) rounded up to :data:`TILE_ALIGN`, or the
+    whole axis if that is shorter. A tile is never below one granule, so the budget holds while
+    E x granule x (the other axis) x 4 <= ``tile_bytes``.
+    """
+    E, n = w.shape[0], w.shape[axis]
+    granule = min(n, math.lcm((w.block or (1, 1))[axis - 1], TILE_ALIGN))
+    fit = tile_bytes // (E * w.shape[3 - axis] * 4)
+    return min(n, max(granule, fit // granule * granule))
+
+
+def _tile(w: QuantizedArray, axis: int, start, size: int) -> QuantizedArray:
+    """Positions [start, start+size) of ``axis`` (1 or 2) of every expert of ``w``, still quantized.
+
+    ``start`` (an int or traced) is a multiple of the scale block along ``axis``, so the tile's
+    scales are the blocks from ``start // block`` on (a partial last one included).
+    """
+    values = jax.lax.dynamic_slice_in_dim(w.values, start, size, axis)
+    if w.block is not None:
+        b = w.block[axis - 1]
+        scale = jax.lax.dynamic_slice_in_dim(w.scale, start // b, -(-size // b), axis)
+    elif axis == 2:  # one scale per (expert, output column)
+        scale = jax.lax.dynamic_slice_in_dim(w.scale, start, size, axis)
+    else:
+        scale = w.scale
+    return w.replace(values=values, scale=scale)
+
+
+def _over_tiles(n: int, size: int, step, carry):
+    """``carry`` through ``step(start, width, carry)`` for the tiles of ``size`` that cover
+    ``range(n)``: the whole ones in a loop (``start`` traced), then the remainder (static)."""
+    count, rest = divmod(n, size)
+    if count == 1:
+        carry = step(0, size, carry)
+    elif count > 1:
+        carry = jax.lax.fori_loop(0, count, lambda k, c: step(k * size, size, c), carry)
+    if rest:
+        carry = step(count * size, rest, carry)
+    return carry
+
+
+def ragged_matmul(x: jax.Array, w, group_sizes: jax.Array, axis: int, tile_bytes: int = TILE_BYTES) -> jax.Array:
+    """Rows ``x`` [R,In] sorted by expert times their expert's matrix of ``w`` [E,In,Out] -> [R,Out].
+
+    A float ``w`` is one ``jax.lax.ragged_dot``. A quantized one is dequantized tile by tile along
+    ``axis`` (:func:`ragged_tile`), never whole: tiles of contracted rows (1) each give a partial
+    product, summed in fp32; tiles of output columns (2) each give their columns of the result.
+    """
+    if not isinstance(w, QuantizedArray):
+        return jax.lax.ragged_dot(x, dequantized(w, x.dtype), group_sizes)
+    if w.ndim != 3 or w.in_axes != (1,) or axis not in (1, 2):
+        raise ValueError(f"ragged_matmul takes a quantized stack [E, In, Out] contracting axis 1, tiled along "
+                         f"axis 1 or 2; got shape {w.shape}, in_axes {w.in_axes}, axis {axis}")
+    R, n_out = x.shape[0], w.shape[2]
+    size = ragged_tile(w, axis, tile_bytes)
+
+    def product(tile: QuantizedArray, rows: jax.Array) -> jax.Array:
+        return jax.lax.ragged_dot(rows, dequantized(tile, x.dtype), group_sizes, preferred_element_type=jnp.float32)
+
+    if axis == 1:
+        def add(start, width, acc):
+            return acc + product(_tile(w, 1, start, width), jax.lax.dynamic_slice_in_dim(x, start, width, axis=1))
+        return _over_tiles(w.shape[1], size, add, jnp.zeros((R, n_out), jnp.float32)).astype(x.dtype)
+
+    def put(start, width, out):
+        columns = product(_tile(w, 2, start, width), x).astype(x.dtype)
+        return jax.lax.dynamic_update_slice_in_dim(out, columns, start, axis=1)
+    return _over_tiles(n_out, size, put, jnp.zeros((R, n_out), x.dtype))
+
+
+def ragged_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array, tile_bytes: int = TILE_BYTES) -> jax.Array:
+    """Grouped SwiGLU as three :func:`ragged_matmul` calls.
+
+    Quantized stacks are tiled along D, the model width (gate/up's contracted rows, down's output
+    columns), and F stays whole: no mesh splits D (the rules keep ``embed`` replicated), while a
+    tensor mesh splits F, and slicing a split axis inside one program makes XLA move the stored
+    stacks between devices (measured on faked CPU devices: tiles cut through gate/up's F gave 10
+    all-gathers of the int8 stacks on 2 devices; through down's F, 14 collective-permutes on 8).
+    """
+    gate = ragged_matmul(xs, w.gate, group_sizes, 1, tile_bytes)
+    up = ragged_matmul(xs, w.up, group_sizes, 1, tile_bytes)
+    return ragged_matmul(jax.nn.silu(gate) * up, w.down, group_sizes, 2, tile_bytes)
 
 
 def grouped_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array,
@@ -165,7 +273,7 @@ def grouped_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array,
     if impl is None:
         impl = DEFAULT_GROUPED_MATMUL.get(jax.default_backend(), GroupedMatmul.EXPERT_LOOP)
     if impl is GroupedMatmul.RAGGED_DOT:
-        return _ragged_swiglu(w, xs, group_sizes)
+        return ragged_swiglu(w, xs, group_sizes)
     return _expert_loop_swiglu(w, xs, group_sizes)
 
 
