@@ -7,16 +7,51 @@ written out:
 
 1. The B*T tokens are split over ``expert`` (padded to a multiple of ep; padding rows are
    marked invalid and never sent). Each device routes its own tokens with the whole router.
-2. Dispatch: each (token, expert) pair goes to the device owning that expert. Pairs are packed
-   into a fixed-size send buffer [ep, capacity, D] (one slot row per destination) and exchanged
-   with one ``jax.lax.all_to_all``, with the local expert id of every slot beside them.
-3. Each device runs only its own experts over the rows it received (the same grouped SwiGLU as
+2. Plan: each device decides which of its (token, expert) pairs it keeps (all of them unless a
+   capacity is set, below), sorts the kept ones by expert -- so by destination device, then by
+   that device's local expert -- and counts them per expert. One ``all_gather`` of these counts
+   ([E] int32 per device) gives every device the whole table, from which each derives, with
+   the same function (:func:`exchange_plan`), the ``ragged_all_to_all`` arguments of both
+   directions: where its rows for each peer start and how many there are, where they land on
+   that peer, and how many arrive from each peer. A receiver's rows come packed by source
+   device, each source's sorted by local expert, so the table also says which expert each
+   received row is for: no expert ids travel.
+3. Dispatch (:func:`exchange`): the rows go to the devices owning their experts.
+4. Each device runs only its own experts over the rows it received (the same grouped SwiGLU as
    the one-device path, ``dayzero.model.moe.grouped_swiglu``: active experts only, no padding
    row computed); with ``tensor`` > 1 each computes a slice of the expert width.
-4. Return: a second ``all_to_all`` sends every result back to the slot it came from; each
-   device combines its tokens' C results with the routing weights (and sums the width slices
-   over ``tensor``). The output leaves ``shard_map`` split over ``expert`` and is joined by
-   XLA into the replicated hidden state.
+5. Return: a second :func:`exchange`, with the plan transposed, sends every result back to the
+   row it came from; each device combines its tokens' C results with the routing weights (and
+   sums the width slices over ``tensor``). The output leaves ``shard_map`` split over
+   ``expert`` and is joined by XLA into the replicated hidden state.
+
+The exchange (:class:`Exchange`; one decision, :func:`resolve_exchange`, by
+``jax.default_backend()`` unless ``Parallel.exchange`` names one): on GPU and TPU it is
+``jax.lax.ragged_all_to_all``, which moves exactly the rows routed to other devices. XLA:CPU
+cannot compile that op (jaxlib 0.10: "HLO opcode `ragged-all-to-all` is not supported by XLA:CPU
+ThunkEmitter"; it lowers), so CPU runs the same contract emulated with dense ``all_to_all``
+calls on [ep, capacity, D] blocks: ep x capacity rows move per direction whatever the routing.
+Both take the offsets and sizes from the same plan, so the CPU tests of the emulation test the
+offsets the GPU path uses; the ragged path is lowered (type-checked) on CPU and run on one GPU by
+``bench/gpu_check.sh``.
+
+Capacity policy (``Parallel.capacity_factor``): ``capacity`` is the most rows one device sends
+to one other (``Parallel.capacity``). The default (None) is the no-drop worst case, every pair of
+a device's tokens going to one destination: capacity = tokens per device x C. Nothing is ever
+dropped, and the results equal the one-device block's. A factor f sets
+capacity = ceil(f x tokens per device x C / ep) (at most the no-drop size): a device's pairs
+beyond the first ``capacity`` to one destination (in token order) are dropped -- each contributes
+zero, so its token is served by its other experts only, and the output differs from the
+one-device block's. ``moe_expert_parallel(..., with_stats=True)`` (or, from the routing alone,
+:func:`dispatch_stats`) counts the pairs routed and dropped and the rows and bytes moved.
+
+Receive buffer: ep x capacity rows on every device, whichever exchange runs, so the drops and
+the receive memory (the planner's dispatch buffers) do not depend on the platform. With no drops
+that is every pair of the step: a statically sized buffer must hold what the routing could send
+one device, and it is memory, not traffic -- the ragged exchange moves only the rows routed. A
+capacity factor bounds it to f x the average. (A token sends at most min(C, E/ep) rows to one
+device, which would halve the no-drop buffers where E/ep < C, e.g. DeepSeek-V3 on ep=64; not
+done, as the planner counts ep x tokens per device x C.)
 
 Quantized experts (``dayzero.model.quant.QuantizedArray`` stacks) enter ``shard_map`` as they are,
 values and scale each with its own PartitionSpec: the scale is split along the experts always and
@@ -24,22 +59,16 @@ along the width wherever its values are, so each device dequantizes its slice wi
 scales. A block scale whose blocks a width shard would cut is re-blocked first (exactly; the
 engine's weights arrive already re-blocked by ``dayzero.model.weights.mesh_aligned_specs``).
 
-Capacity policy (``Parallel.capacity_factor``): the send buffer holds ``capacity`` rows
-per destination. The default (None) is the no-drop worst case, every pair of a device's tokens
-going to one destination: capacity = tokens per device x C. Nothing is ever dropped, and the
-results equal the one-device block's; the buffers and the all_to_all carry ep x that many rows,
-but the expert matmuls run only over rows actually received. A factor f sets
-capacity = ceil(f x tokens per device x C / ep) (at most the no-drop size): smaller buffers, but
-a pair beyond its destination's capacity is dropped -- it contributes zero, so that token is
-served by its other experts only, and the output differs from the one-device block's.
-
-The one-device ``dayzero.model.moe.moe`` stays the reference; this module reuses its routing
-and grouped SwiGLU and adds only the dispatch.
+The one-device ``dayzero.model.moe.moe`` stays the reference; this module reuses its routing,
+sort and grouped SwiGLU and adds only the dispatch.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +79,139 @@ from dayzero.model.moe import GroupedMatmul, grouped_swiglu, route, sort_by_expe
 from dayzero.model.parallel import Parallel
 from dayzero.model.quant import QuantError, QuantizedArray, reblocked
 from dayzero.model.weights import MoEWeights, aligned_block
+
+
+class Exchange(enum.Enum):
+    """How the dispatch moves rows between the devices of the ``expert`` axis (module docstring).
+
+    Both implement ``jax.lax.ragged_all_to_all``'s contract, with arguments from one
+    :func:`exchange_plan`. ``RAGGED`` is that op: each device sends exactly its rows for each
+    peer. ``DENSE`` emulates it with ``jax.lax.all_to_all`` of [ep, capacity] blocks (each
+    destination's rows padded to capacity), for XLA:CPU, which cannot compile the ragged op.
+    """
+
+    RAGGED = "ragged"
+    DENSE = "dense"
+
+
+# Per-platform default (jax.default_backend() names): the one place the exchange is chosen.
+DEFAULT_EXCHANGE = {"cpu": Exchange.DENSE, "gpu": Exchange.RAGGED, "tpu": Exchange.RAGGED}
+
+
+def resolve_exchange(choice: Exchange | None) -> Exchange:
+    """The exchange that runs: ``choice``, or the platform's default (:data:`DEFAULT_EXCHANGE`)."""
+    if choice is None:
+        return DEFAULT_EXCHANGE.get(jax.default_backend(), Exchange.DENSE)
+    if not isinstance(choice, Exchange):
+        raise ValueError(f"exchange {choice!r} is not one of {[e.value for e in Exchange]}; pass an Exchange")
+    return choice
+
+
+class Plan(NamedTuple):
+    """One device's ``ragged_all_to_all`` arguments for one direction, each [ep] int32: where its
+    rows for each peer start in its operand and how many, where they land in that peer's
+    output, and how many rows arrive from each peer."""
+
+    input_offsets: jax.Array
+    send_sizes: jax.Array
+    output_offsets: jax.Array
+    recv_sizes: jax.Array
+
+
+def exchange_plan(sizes: jax.Array, me: jax.Array) -> Plan:
+    """Device ``me``'s exchange arguments when each device i sends ``sizes[i, j]`` rows to device j.
+
+    Every operand holds its rows packed by destination, in device order; every output receives
+    them packed by source, in device order. So the rows i sends to j start at sum(sizes[i, :j]) in
+    i's operand and land at sum(sizes[:i, j]) in j's output. The way back is
+    ``exchange_plan(sizes.T, me)``.
+    """
+    in_starts = jnp.cumsum(sizes, axis=1) - sizes  # [i, j]: j's rows in i's operand
+    out_starts = jnp.cumsum(sizes, axis=0) - sizes  # [i, j]: i's rows in j's output
+    return Plan(in_starts[me], sizes[me], out_starts[me], sizes[:, me])
+
+
+def exchange(operand: jax.Array, output: jax.Array, plan: Plan, *, axis: str, kind: Exchange,
+             max_send: int) -> jax.Array:
+    """``jax.lax.ragged_all_to_all(operand, output, *plan, axis_name=axis)``, run as ``kind``:
+    ``output`` with the rows every peer sent here written at the offsets it gave.
+
+    ``max_send``: a bound on every send size (the rows of each DENSE block).
+    """
+    if kind is Exchange.RAGGED:
+        return jax.lax.ragged_all_to_all(operand, output, *plan, axis_name=axis)
+    return _dense_ragged_all_to_all(operand, output, plan, axis=axis, max_send=max_send)
+
+
+def _dense_ragged_all_to_all(operand: jax.Array, output: jax.Array, plan: Plan, *, axis: str,
+                             max_send: int) -> jax.Array:
+    """The ragged_all_to_all contract from dense all_to_alls: block j of [ep, max_send] rows holds
+    this device's rows for device j (zeros after ``send_sizes[j]``); one all_to_all moves the
+    blocks, a second the senders' ``output_offsets``, and each receiver writes the first
+    ``recv_sizes[i]`` rows of block i at the offset sender i gave."""
+    ep = plan.send_sizes.shape[0]
+    r = jnp.arange(max_send, dtype=plan.send_sizes.dtype)
+    src = jnp.where(r < plan.send_sizes[:, None], plan.input_offsets[:, None] + r, operand.shape[0])
+    blocks = jnp.take(operand, src, axis=0, mode="fill", fill_value=0)  # [ep, max_send, ...]
+    got = jax.lax.all_to_all(blocks, axis, 0, 0)  # got[i]: device i's rows for this device
+    at = jax.lax.all_to_all(plan.output_offsets, axis, 0, 0)  # at[i]: where device i put them here
+    dst = jnp.where(r < plan.recv_sizes[:, None], at[:, None] + r, output.shape[0])  # past the end: dropped
+    return output.at[dst.reshape(-1)].set(got.reshape(ep * max_send, *operand.shape[1:]), mode="drop")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["pairs_routed", "pairs_dropped", "rows_off_device", "max_rows_sent",
+                                "max_rows_received"],
+                   meta_fields=["exchange", "ep", "capacity", "row_bytes", "num_experts"])
+@dataclasses.dataclass(frozen=True)
+class DispatchStats:
+    """What one expert-parallel dispatch routed, dropped and moved, over the ep devices of one
+    ``expert`` group (with ``tensor`` = t > 1, each of the t groups moves as much again).
+
+    Counts (int32 scalars): ``pairs_routed``, the (token, expert) pairs of the real tokens;
+    ``pairs_dropped``, those beyond capacity; ``rows_off_device``, kept rows whose expert is on
+    another device (each travels out and its result back); ``max_rows_sent``, the most rows one
+    device sends to others, its rows out and the results it returns together;
+    ``max_rows_received``, the most rows one device receives, its own included (the receive
+    buffer it needed). Static: the exchange that ran, ep, capacity, bytes per row, E.
+    """
+
+    pairs_routed: jax.Array
+    pairs_dropped: jax.Array
+    rows_off_device: jax.Array
+    max_rows_sent: jax.Array
+    max_rows_received: jax.Array
+    exchange: str
+    ep: int
+    capacity: int
+    row_bytes: int
+    num_experts: int
+
+    @property
+    def drop_rate(self) -> float:
+        """The fraction of routed pairs dropped."""
+        return int(self.pairs_dropped) / max(1, int(self.pairs_routed))
+
+    def bytes_moved(self, per_device: bool = False) -> int:
+        """Bytes sent device to device by the dispatch's collectives, both directions: the count
+        table's all_gather, then the rows out and back -- the routed rows off their device
+        (ragged), or every block but a device's own, padded to capacity, plus the offsets'
+        all_to_alls (dense). All ep devices together, or (``per_device``) the busiest sender."""
+        ep = self.ep
+        table = (ep - 1) * self.num_experts * 4
+        if self.exchange == Exchange.RAGGED.value:
+            rows = int(self.max_rows_sent) if per_device else 2 * int(self.rows_off_device)
+            return rows * self.row_bytes + table * (1 if per_device else ep)
+        one = 2 * (ep - 1) * (self.capacity * self.row_bytes + 4) + table
+        return one if per_device else ep * one
+
+    def as_dict(self) -> dict:
+        """A JSON-ready dict of the counts, the drop rate and the bytes moved."""
+        counts = {f.name: int(getattr(self, f.name)) for f in dataclasses.fields(self)
+                  if f.name not in ("exchange",)}
+        return {"exchange": self.exchange, **counts, "drop_rate": self.drop_rate,
+                "bytes_moved": self.bytes_moved(), "bytes_moved_per_device": self.bytes_moved(per_device=True)}
+
 
 def check_expert_parallel(num_experts: int, ep: int) -> None:
     """Raise ValueError unless ``num_experts`` splits evenly over ``ep`` devices."""
@@ -130,77 +292,161 @@ def _expert_specs(w: MoEWeights, par: Parallel) -> tuple[MoEWeights, str | None]
     return specs, gate_values[2]
 
 
-def _slots(dest: jax.Array, sent: jax.Array, ep: int, capacity: int) -> tuple[jax.Array, jax.Array]:
-    """Each pair's row in its destination's buffer, and whether it fits (``sent`` and < capacity).
-
-    A pair's row is how many pairs before it go to the same destination: a running count.
-    """
+def _kept(dest: jax.Array, sent: jax.Array, ep: int, capacity: int) -> jax.Array:
+    """Which pairs keep their place: ``sent`` ones among the first ``capacity`` (in pair order,
+    i.e. token order) of this device's pairs for their destination ``dest``."""
+    if capacity >= dest.shape[0]:  # no destination can overflow: nothing to count
+        return sent
     to = (dest[:, None] == jnp.arange(ep)[None, :]) & sent[:, None]
-    rank = jnp.take_along_axis(jnp.cumsum(to, axis=0), dest[:, None], axis=1)[:, 0] - 1
-    keep = sent & (rank < capacity)
-    return jnp.where(keep, rank, capacity), keep  # ``capacity`` is out of range: scatters drop it
+    rank = jnp.take_along_axis(jnp.cumsum(to, axis=0), dest[:, None], axis=1)[:, 0] - 1  # earlier pairs there
+    return sent & (rank < capacity)
+
+
+class _Routed(NamedTuple):
+    """One device's routing (step 2 of the module docstring)."""
+
+    probs: jax.Array  # [n,C] routing weights
+    order: jax.Array  # [n*C] the pair of each sorted row: kept pairs by expert, then the rest
+    sent: jax.Array  # [n*C] pairs of real tokens
+    keep: jax.Array  # [n*C] pairs within capacity
+    table: jax.Array  # [ep,E] kept pairs per (device, expert): the same on every device
+
+
+def _route_local(tokens: jax.Array, valid: jax.Array, router: jax.Array, score_bias: jax.Array | None, *,
+                 config: MoEConfig, axis: str, ep: int, capacity: int) -> _Routed:
+    """Route this device's tokens [n,D], keep what fits, sort the kept pairs by expert and share
+    the per-expert counts with every device of ``axis``."""
+    E, C = config.num_experts, config.experts_per_token
+    probs, experts = route(router, config, tokens, score_bias)  # [n,C] each
+    flat = experts.reshape(-1)  # pair p is token p // C
+    sent = jnp.repeat(valid, C)
+    keep = _kept(flat // (E // ep), sent, ep, capacity)
+    order, counts = sort_by_expert(jnp.where(keep, flat, E), E + 1)  # E: not sent, sorts last
+    return _Routed(probs, order, sent, keep, jax.lax.all_gather(counts[:E], axis))
+
+
+def _received_experts(table: jax.Array, me: jax.Array, num_local: int, rows: int) -> jax.Array:
+    """The local expert of each of this device's ``rows`` receive-buffer rows (``num_local``:
+    empty). Rows arrive packed by source device, each source's sorted by expert (the plan's
+    layout), so the table's counts for this device's experts delimit them."""
+    mine = jax.lax.dynamic_slice_in_dim(table, me * num_local, num_local, axis=1)  # [source, local expert]
+    ends = jnp.cumsum(mine.reshape(-1))
+    group = jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right")
+    return jnp.where(group < ends.shape[0], group % num_local, num_local).astype(jnp.int32)
 
 
 def _own_experts(w: MoEWeights, rows: jax.Array, ids: jax.Array, impl: GroupedMatmul | None) -> jax.Array:
-    """Rows [R,D] through this device's experts (``ids`` [R] local, num_local = empty slot) -> [R,D]."""
+    """Rows [R,D] through this device's experts (``ids`` [R] local, num_local = empty row) -> [R,D]."""
     num_local = w.gate.shape[0]
-    order, group_sizes = sort_by_expert(ids, num_local)  # empty slots sort last, uncounted
+    order, group_sizes = sort_by_expert(ids, num_local)  # empty rows sort last, uncounted
     ys = grouped_swiglu(w, rows[order], group_sizes, impl)
     return jnp.zeros_like(ys).at[order].set(ys)
 
 
+def _stats(routed: _Routed, sizes: jax.Array, *, axis: str, exchange_kind: Exchange, capacity: int,
+           row_bytes: int) -> DispatchStats:
+    """The dispatch's counts (:class:`DispatchStats`), the same on every device."""
+    own = jnp.diagonal(sizes)
+    sum_over = lambda x: jax.lax.psum(jnp.sum(x, dtype=jnp.int32), axis)  # noqa: E731
+    out, back = jnp.sum(sizes, axis=1) - own, jnp.sum(sizes, axis=0) - own  # per device, to others
+    return DispatchStats(
+        pairs_routed=sum_over(routed.sent), pairs_dropped=sum_over(routed.sent & ~routed.keep),
+        rows_off_device=jnp.sum(out), max_rows_sent=jnp.max(out + back),
+        max_rows_received=jnp.max(jnp.sum(sizes, axis=0)),
+        exchange=exchange_kind.value, ep=sizes.shape[0], capacity=capacity, row_bytes=row_bytes,
+        num_experts=routed.table.shape[1])
+
+
 def _dispatch_local(tokens, valid, w: MoEWeights, *, config: MoEConfig, axis: str, ep: int, capacity: int,
-                    width_axis: str | None, impl: GroupedMatmul | None):
+                    width_axis: str | None, impl: GroupedMatmul | None, exchange_kind: Exchange, with_stats: bool):
     """The shard_map body: route local tokens [n,D], send, compute own experts, return, combine."""
     n, D = tokens.shape
     C = config.experts_per_token
     num_local = w.gate.shape[0]
-    probs, experts = route(w.router, config, tokens, w.score_bias)  # [n,C] each
-    flat = experts.reshape(-1)
-    dest, local_id = flat // num_local, flat % num_local
-    slot, keep = _slots(dest, jnp.repeat(valid, C), ep, capacity)
-    rows = jnp.repeat(tokens, C, axis=0)  # pair p is token p // C
-    send = jnp.zeros((ep, capacity, D), tokens.dtype).at[dest, slot].set(rows, mode="drop")
-    send_ids = jnp.full((ep, capacity), num_local, jnp.int32).at[dest, slot].set(local_id, mode="drop")
-    # recv[j] holds what device j sent here; the second all_to_all returns recv's rows to them.
-    recv = jax.lax.all_to_all(send, axis, 0, 0)
-    recv_ids = jax.lax.all_to_all(send_ids, axis, 0, 0)
-    ys = _own_experts(w, recv.reshape(ep * capacity, D), recv_ids.reshape(-1), impl)
-    back = jax.lax.all_to_all(ys.reshape(ep, capacity, D), axis, 0, 0)
-    per_pair = back[dest, jnp.minimum(slot, capacity - 1)] * keep[:, None].astype(back.dtype)
-    out = jnp.einsum("ncd,nc->nd", per_pair.reshape(n, C, D), probs.astype(tokens.dtype))
+    routed = _route_local(tokens, valid, w.router, w.score_bias, config=config, axis=axis, ep=ep, capacity=capacity)
+    me = jax.lax.axis_index(axis)
+    sizes = routed.table.reshape(ep, ep, num_local).sum(axis=-1)  # [source, destination] rows
+    move = functools.partial(exchange, axis=axis, kind=exchange_kind, max_send=capacity)
+    rows = tokens[routed.order // C]  # [n*C,D]: the kept rows, packed by destination, first
+    recv = move(rows, jnp.zeros((ep * capacity, D), tokens.dtype), exchange_plan(sizes, me))
+    ys = _own_experts(w, recv, _received_experts(routed.table, me, num_local, ep * capacity), impl)
+    back = move(ys, jnp.zeros_like(rows), exchange_plan(sizes.T, me))  # rows not kept get nothing: zero
+    per_pair = jnp.zeros_like(back).at[routed.order].set(back)  # back in pair order
+    out = jnp.einsum("ncd,nc->nd", per_pair.reshape(n, C, D), routed.probs.astype(tokens.dtype))
     # Each device of the width axis summed over its slice of the expert width: add the slices up.
-    return out if width_axis is None else jax.lax.psum(out, width_axis)
+    out = out if width_axis is None else jax.lax.psum(out, width_axis)
+    if not with_stats:
+        return out
+    return out, _stats(routed, sizes, axis=axis, exchange_kind=exchange_kind, capacity=capacity,
+                       row_bytes=D * tokens.dtype.itemsize)
 
 
-def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Parallel) -> jax.Array:
+def _split_tokens(config: MoEConfig, x: jax.Array, par: Parallel) -> tuple[str, int, jax.Array, jax.Array, int]:
+    """(expert mesh axis, ep, tokens [n*ep,D] padded to a multiple of ep, their validity, capacity).
+
+    The rules' expert axis is used even at size 1 (a one-device mesh still runs the dispatch).
+    """
+    axis = par.placement.rules.mesh_axis("experts")
+    if axis is None or axis not in par.placement.mesh.shape:
+        raise ValueError(f"rules {par.placement.rules.name!r} split no experts over the mesh; use an expert axis")
+    ep = int(par.placement.mesh.shape[axis])
+    check_expert_parallel(config.num_experts, ep)
+    N, D = x.shape[0] * x.shape[1], x.shape[2]
+    n = -(-N // ep)  # tokens per device
+    tokens = jnp.pad(x.reshape(N, D), ((0, n * ep - N), (0, 0)))
+    return axis, ep, tokens, jnp.arange(n * ep) < N, par.capacity(n, config.experts_per_token)
+
+
+def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Parallel, *,
+                        with_stats: bool = False) -> jax.Array | tuple[jax.Array, DispatchStats]:
     """The MoE block on hidden states ``x`` [B,T,D] with experts split over ``expert`` -> [B,T,D].
 
     Same result as ``dayzero.model.moe.moe`` (exactly the same pairs computed, up to summation
     order) when nothing is dropped; see the module docstring for the dispatch and capacity.
+    ``with_stats``: also return the dispatch's :class:`DispatchStats` (a few extra reductions;
+    without it nothing is counted).
     """
     B, T, D = x.shape
-    axis, ep = par.mesh_axis("experts"), par.size("experts")
-    check_expert_parallel(config.num_experts, ep)
     N = B * T
-    n = -(-N // ep)  # tokens per device
-    tokens = jnp.pad(x.reshape(N, D), ((0, n * ep - N), (0, 0)))
-    valid = jnp.arange(n * ep) < N
+    axis, ep, tokens, valid, capacity = _split_tokens(config, x, par)
     routed = _aligned_experts(
         MoEWeights(router=w.router, gate=w.gate, up=w.up, down=w.down, score_bias=w.score_bias), par)
     specs, width_axis = _expert_specs(routed, par)
     body = functools.partial(
-        _dispatch_local, config=config, axis=axis, ep=ep, capacity=par.capacity(n, config.experts_per_token),
-        width_axis=width_axis, impl=par.impl,
+        _dispatch_local, config=config, axis=axis, ep=ep, capacity=capacity, width_axis=width_axis,
+        impl=par.impl, exchange_kind=resolve_exchange(par.exchange), with_stats=with_stats,
     )
-    out = jax.shard_map(
+    result = jax.shard_map(
         body, mesh=par.placement.mesh,
-        in_specs=(P(axis), P(axis), specs), out_specs=P(axis),
+        in_specs=(P(axis), P(axis), specs), out_specs=(P(axis), P()) if with_stats else P(axis),
         # The shared grouped SwiGLU starts its loops from fresh zeros, which the varying-axes
         # type check rejects inside shard_map; the body's own psum makes the output the same
         # on every tensor device, as out_specs says.
         check_vma=False,
-    )(tokens, valid, routed)[:N]
+    )(tokens, valid, routed)
+    out, stats = result if with_stats else (result, None)
+    out = out[:N]
     if w.shared is not None:  # always-on experts: the plain SwiGLU, split like a dense MLP
         out = out + swiglu(x.reshape(N, D), w.shared.gate, w.shared.up, w.shared.down)
-    return out.reshape(B, T, D)
+    out = out.reshape(B, T, D)
+    return (out, stats) if with_stats else out
+
+
+def dispatch_stats(router: jax.Array, score_bias: jax.Array | None, config: MoEConfig, x: jax.Array,
+                   par: Parallel) -> DispatchStats:
+    """The :class:`DispatchStats` of ``moe_expert_parallel(w, config, x, par)`` from its routing
+    alone (the same routing, capacity and counts; no expert runs and no row moves), for
+    measuring drop rates and traffic at sizes whose experts are not allocated."""
+    D = x.shape[2]
+    axis, ep, tokens, valid, capacity = _split_tokens(config, x, par)
+    kind = resolve_exchange(par.exchange)
+
+    def body(tokens, valid, router, score_bias):
+        routed = _route_local(tokens, valid, router, score_bias, config=config, axis=axis, ep=ep, capacity=capacity)
+        sizes = routed.table.reshape(ep, ep, -1).sum(axis=-1)
+        return _stats(routed, sizes, axis=axis, exchange_kind=kind, capacity=capacity,
+                      row_bytes=D * tokens.dtype.itemsize)
+
+    bias_spec = None if score_bias is None else P()
+    return jax.shard_map(body, mesh=par.placement.mesh, in_specs=(P(axis), P(axis), P(), bias_spec),
+                         out_specs=P(), check_vma=False)(tokens, valid, router, score_bias)

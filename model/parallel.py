@@ -5,7 +5,8 @@ Most of the model runs on a mesh without knowing it: weights and caches carry th
 by hand inside ``jax.shard_map``, and take a :class:`Parallel` to do so:
 
 - MoE, when the rules split ``experts`` over a mesh axis of size > 1: tokens are dispatched to
-  the devices owning their experts (``dayzero.model.moe_parallel``);
+  the devices owning their experts (``dayzero.model.moe_parallel``: ``ragged_all_to_all`` on
+  GPU/TPU, its emulation by dense ``all_to_all`` on CPU; buffers sized by :meth:`Parallel.capacity`);
 - multi-head latent attention, when the rules split ``latent_seq`` (the latent cache's
   positions): each device attends over its own slice of the cache and the partial softmaxes are
   merged (``dayzero.model.mla_parallel``), so the cache is never gathered.
@@ -24,14 +25,18 @@ from dayzero.sharding.placement import Placement
 class Parallel:
     """A placement plus the options of the hand-written parallel blocks (hashable: a jit static).
 
-    ``capacity_factor``: the expert-parallel send buffers, None for no-drop buffers (see
+    ``capacity_factor``: the most rows one device sends another in the expert-parallel
+    dispatch, as a multiple of the average (None: no pair is ever dropped; see
     ``dayzero.model.moe_parallel``). ``impl``: the grouped matmul of the experts
-    (``dayzero.model.moe.GroupedMatmul``, None for the platform's default).
+    (``dayzero.model.moe.GroupedMatmul``, None for the platform's default). ``exchange``: how the
+    dispatch moves rows (``dayzero.model.moe_parallel.Exchange``, None for the platform's
+    default: ragged_all_to_all on GPU/TPU, dense all_to_all on CPU).
     """
 
     placement: Placement
     capacity_factor: float | None = None
     impl: enum.Enum | None = None
+    exchange: enum.Enum | None = None
 
     def __post_init__(self):
         if self.capacity_factor is not None and not self.capacity_factor > 0:
@@ -48,7 +53,8 @@ class Parallel:
         return 1 if axis is None else int(self.placement.mesh.shape[axis])
 
     def capacity(self, tokens_per_device: int, experts_per_token: int) -> int:
-        """Rows per destination device of the expert-parallel send buffer."""
+        """The most rows one device sends one destination device in the expert-parallel dispatch
+        (the rows of each dense block; receive buffers hold ep times this)."""
         worst = tokens_per_device * experts_per_token
         if self.capacity_factor is None:
             return worst
