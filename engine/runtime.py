@@ -46,7 +46,7 @@ from dayzero.kernels import KernelError, KernelMode, describe
 from dayzero.kernels.mode import resolve_mode
 from dayzero.model.config import ModelConfig
 from dayzero.model.moe import GroupedMatmul
-from dayzero.model.moe_parallel import check_expert_parallel
+from dayzero.model.mesh_check import kernel_split_refusal, mesh_refusal
 from dayzero.model.parallel import Parallel
 from dayzero.model.quant import (KVQuant, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant,
                                  parse_kv_quant, parse_weight_quant)
@@ -183,37 +183,24 @@ def _weight_storage(quantize, stored: QuantConfig) -> QuantConfig:
 
 
 def check_placement(model: ModelConfig, placement: Placement) -> None:
-    """Raise :class:`RunConfigError` unless ``placement``'s mesh can run this model at all."""
-    ep = placement.axes["expert"]
-    if ep > 1 and model.moe is None:
-        raise RunConfigError(f"--mesh expert={ep} needs a Mixture-of-Experts model and this one has no experts; "
-                             f"use tensor={ep}")
-    if ep > 1:
-        try:
-            check_expert_parallel(model.moe.num_experts, ep)
-        except ValueError as e:
-            raise RunConfigError(str(e)) from None
-
-
-def _split_heads(model: ModelConfig) -> list[tuple[str, int]]:
-    """The head counts the kernels split over ``tensor`` (kv heads only where they are per head)."""
-    return [("query heads", model.num_heads)] + ([] if model.mla is not None else [("kv heads", model.num_kv_heads)])
+    """Raise :class:`RunConfigError` unless ``placement``'s mesh can run this model at all (the
+    device-free decision ``model.mesh_check.mesh_refusal``, which the planner also asks)."""
+    reason = mesh_refusal(model, placement.axes)
+    if reason is not None:
+        raise RunConfigError(reason)
 
 
 def _kernels_fit(model: ModelConfig, placement: Placement) -> bool:
     """Whether every head count the kernels split divides ``placement``'s ``tensor`` size."""
-    return all(n % placement.axes["tensor"] == 0 for _, n in _split_heads(model))
+    return kernel_split_refusal(model, placement.axes["tensor"], KernelMode.PALLAS) is None
 
 
 def _check_kernels_on_mesh(model: ModelConfig, placement: Placement, mode: KernelMode) -> None:
     """The kernels run per device inside ``shard_map`` over the head split: each device needs
-    whole kv heads and all the query heads that read them."""
-    tp = placement.axes["tensor"]
-    for what, n in _split_heads(model):
-        if n % tp:
-            raise RunConfigError(
-                f"--kernels {mode.value} on --mesh tensor={tp} needs the {n} {what} to split evenly over "
-                f"tensor={tp}; use a tensor size that divides {n}, or --kernels reference")
+    whole kv heads and all the query heads that read them (``mesh_check.kernel_split_refusal``)."""
+    reason = kernel_split_refusal(model, placement.axes["tensor"], mode)
+    if reason is not None:
+        raise RunConfigError(reason)
 
 
 def with_kernels(run: RunConfig, model: ModelConfig, kernels: KernelMode | str | None) -> RunConfig:

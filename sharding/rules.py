@@ -194,4 +194,23 @@ def make_mesh(axes: Mapping[str, int], devices: list | None = None) -> Mesh:
         )
     # Auto axis types: the model does not yet annotate out_sharding on its contractions, which
     # Explicit mode would require; XLA's propagation places the intermediates instead.
-    return Mesh(np.asarray(devices).reshape(shape), MESH_AXES)
+    return Mesh(device_grid(dict(zip(MESH_AXES, shape)), devices), MESH_AXES)
+
+
+# The order devices are laid out in, slowest-varying first: ``tensor`` varies fastest, so that
+# consecutive devices (jax.devices() lists each host's devices together) form the tensor groups,
+# which all-reduce every layer and need the host's fast links (NVLink, ICI); ``expert`` groups
+# (one all-to-all per MoE layer) come next and ``data`` replicas, which never talk, span hosts.
+DEVICE_ORDER = ("data", "expert", "tensor")
+
+
+def device_grid(sizes: Mapping[str, int], devices: Any) -> np.ndarray:
+    """``devices`` (a flat list in host order) as an array with axes ``MESH_AXES`` laid out in
+    :data:`DEVICE_ORDER` (tensor innermost); ``sizes`` gives every axis of ``MESH_AXES``."""
+    grid = np.asarray(devices).reshape([int(sizes[a]) for a in DEVICE_ORDER])
+    return grid.transpose([DEVICE_ORDER.index(a) for a in MESH_AXES])
+
+
+def grid_devices(grid: np.ndarray) -> list:
+    """The inverse of :func:`device_grid`: a grid with axes ``MESH_AXES`` back to its flat list."""
+    return list(grid.transpose([MESH_AXES.index(a) for a in DEVICE_ORDER]).reshape(-1))

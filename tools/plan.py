@@ -1,4 +1,5 @@
-"""``dayzero plan``: per-device memory of a model on N devices, the mesh to use, and whether it fits.
+"""``dayzero plan``: per-device memory and collectives of a model on N devices, the mesh to use,
+and whether it fits.
 
 Glue between the command line, the model's abstract declarations (``dayzero.model.footprint``)
 and the planner's arithmetic (``dayzero.sharding.planner``). No jax device is touched.
@@ -11,12 +12,12 @@ import json
 
 from dayzero.model.config import ModelConfig
 from dayzero.sharding.distributed import parse_mesh
-from dayzero.sharding.planner import (
-    RULE, KVDtype, MeshPlan, Plan, PlanError, WeightDtype, Workload, format_size, parse_size, plan,
-)
+from dayzero.sharding.planner import RULE, MeshPlan, Plan, Workload, format_size, parse_size, plan
 
 # Candidate meshes listed after the recommendation in the text report.
 SHOWN_CANDIDATES = 8
+LARGEST = 3  # collectives listed per step in the text report
+OPS = (("all_reduce", "all-reduce"), ("all_gather", "all-gather"), ("all_to_all", "all-to-all"))
 
 
 def load_model(preset: str | None, config_path: str | None) -> tuple[str, ModelConfig]:
@@ -29,21 +30,20 @@ def load_model(preset: str | None, config_path: str | None) -> tuple[str, ModelC
     return str(config_path), load_hf_config(config_path)
 
 
-def _enum(kind, value: str, flag: str):
-    try:
-        return kind(value)
-    except ValueError:
-        raise PlanError(f"{flag} {value!r} is not one of {', '.join(k.value for k in kind)}") from None
-
-
 def workload_from_args(args: argparse.Namespace) -> Workload:
-    """The :class:`Workload` of ``--devices --device-memory --weight-dtype --kv-dtype --batch --context``."""
-    return Workload(
-        devices=args.devices, device_memory=parse_size(args.device_memory),
-        weight_dtype=_enum(WeightDtype, args.weight_dtype, "--weight-dtype"),
-        kv_dtype=_enum(KVDtype, args.kv_dtype, "--kv-dtype"),
-        batch=args.batch, context=args.context, reserve=getattr(args, "reserve", 0.1),
+    """The :class:`Workload` of ``--devices --device-memory --quantize --kv-cache --dtype --batch
+    --context --prefill-chunk --devices-per-host --kernels``, its storage checked with the
+    engine's parsers before any model is built."""
+    from dayzero.model.footprint import storage
+
+    work = Workload(
+        devices=args.devices, device_memory=parse_size(args.device_memory), quantize=args.quantize,
+        kv_cache=args.kv_cache, dtype=args.dtype, batch=args.batch, context=args.context,
+        prefill_chunk=args.prefill_chunk, devices_per_host=args.devices_per_host,
+        reserve=getattr(args, "reserve", 0.1), kernels=getattr(args, "kernels", "auto"),
     )
+    storage(work)
+    return work
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -63,10 +63,25 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _row(p: MeshPlan) -> str:
+    mesh = f"  {p.to_json()['mesh_text']:<24} "
+    if not p.runs:
+        return mesh + f"refused: {p.refused}"
     b = p.bytes
-    return (f"  {p.to_json()['mesh_text']:<28} {p.strategy:<24} {format_size(b['weights'] + b['weight_scales']):>10} "
-            f"{format_size(b['kv_cache'] + b['kv_scales']):>10} {format_size(b['activations']):>10} "
-            f"{format_size(p.total):>10}  {'yes' if p.fits else 'no'}")
+    weights, kv = b["weights"] + b["weight_scales"], b["kv_cache"] + b["kv_scales"]
+    return (mesh + f"{format_size(weights):>10} {format_size(kv):>10} "
+            f"{format_size(b['activations']):>10} {format_size(p.total):>10} {format_size(p.inter_host):>10}  "
+            f"{'yes' if p.tensor_in_host else 'no':<7} {'yes' if p.fits else 'no'}")
+
+
+def _collective_lines(p: MeshPlan, step: str, label: str) -> list[str]:
+    """One step's bytes sent per op and across hosts, then its largest collectives."""
+    sent, inter_host = (p.collectives, p.inter_host) if step == "decode" else (p.collectives_prefill,
+                                                                               p.inter_host_prefill)
+    ops = ", ".join(f"{text} {format_size(sent[op])}" for op, text in OPS)
+    largest = sorted((d for d in p.detail if d["step"] == step), key=lambda d: -d["bytes"])[:LARGEST]
+    return [f"  {label:<18} {ops}; across hosts {format_size(inter_host)}"] + [
+        f"      {format_size(d['bytes']):>10}  {d['op'].replace('_', '-')} over {d['mesh_axis']}={d['group']}"
+        f"{' (across hosts)' if d['inter_host'] else ''}: {d['name']}" for d in largest]
 
 
 def format_plan(result: Plan) -> str:
@@ -75,24 +90,32 @@ def format_plan(result: Plan) -> str:
     b = best.bytes
     lines = [
         f"{result.model}: {result.parameters / 1e9:,.1f}B parameters; {w.devices} devices x "
-        f"{format_size(w.device_memory)} ({format_size(w.usable)} usable, {w.reserve:.0%} reserved); "
-        f"weights {w.weight_dtype.value}, KV {w.kv_dtype.value}; batch {w.batch}, context {w.context}",
+        f"{format_size(w.device_memory)} ({format_size(w.usable)} usable, {w.reserve:.0%} reserved), "
+        f"{w.devices_per_host} per host; --quantize {w.quantize} --kv-cache {w.kv_cache} --dtype {w.dtype}; "
+        f"batch {w.batch}, context {w.context}, prefill chunk {w.prefill_chunk}",
         "",
         f"{'mesh (given)' if result.forced else 'recommended mesh' if best.fits else 'no mesh fits; closest'}: "
-        f"{best.to_json()['mesh_text']} "
-        f"({best.strategy}) -- {'FITS' if best.fits else 'DOES NOT FIT'}, "
+        f"{best.to_json()['mesh_text']} ({best.strategy}) -- {'FITS' if best.fits else 'DOES NOT FIT'}, "
         f"{format_size(best.headroom) if best.fits else format_size(-best.headroom) + ' over'}"
-        f"{' free' if best.fits else ''} per device",
+        f"{' free' if best.fits else ''} per device; "
+        f"tensor groups {'inside' if best.tensor_in_host else 'across'} hosts",
         f"  weights      {format_size(b['weights']):>10}" + (
-            f"  + {format_size(b['weight_scales'])} fp8 block scales" if b["weight_scales"] else ""),
+            f"  + {format_size(b['weight_scales'])} quantization scales" if b["weight_scales"] else ""),
         f"  KV cache     {format_size(b['kv_cache']):>10}" + (
-            f"  + {format_size(b['kv_scales'])} per-row scales" if b["kv_scales"] else ""),
+            f"  + {format_size(b['kv_scales'])} per-slot scales" if b["kv_scales"] else "")
+        + f"  (serving page pools, {w.page_size} positions a page)",
         f"  activations  {format_size(b['activations']):>10}  (peak: {best.peak_stage})",
+        f"    decode step of {w.batch} rows {format_size(best.activation_peaks['decode']):>10}; prefill chunk of "
+        f"{min(w.prefill_chunk, w.context)} tokens {format_size(best.activation_peaks['prefill'])}",
         f"  total        {format_size(best.total):>10}",
+        "  collectives sent per device (largest listed):",
+        *_collective_lines(best, "decode", "per decode step"),
+        *_collective_lines(best, "prefill", "per prefill chunk"),
     ]
     if not result.forced:
         lines += ["", f"rule: {RULE}", "",
-                  f"  {'mesh':<28} {'strategy':<24} {'weights':>10} {'KV':>10} {'activ.':>10} {'total':>10}  fits"]
+                  f"  {'mesh':<24} {'weights':>10} {'KV':>10} {'activ.':>10} {'total':>10} {'x-host/step':>10}  "
+                  f"{'TP host':<7} fits"]
         lines += [_row(p) for p in result.candidates[:SHOWN_CANDIDATES]]
         if len(result.candidates) > SHOWN_CANDIDATES:
             lines.append(f"  ... {len(result.candidates) - SHOWN_CANDIDATES} more (--json lists all)")

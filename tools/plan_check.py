@@ -1,13 +1,28 @@
-"""The planner's figures against XLA's compiled memory analysis of the sharded decode step.
+"""The planner's activation figures against XLA's compiled memory analysis of the serving steps.
 
-Used by ``bench/plan_vs_xla.py`` and its test. The decode step is the one the engine runs on
-that mesh (``dayzero.engine.generate.engine_step`` with the engine's ``Parallel``: latent
-attention over the position-split cache in ``shard_map``, expert-parallel MoE dispatch when the
-mesh has ``expert`` > 1), greedy, one token per row over a full cache; XLA's activation figure
-is its temporary bytes plus its outputs. Needs as many (faked) devices as the mesh has: run it
-in a process started with ``XLA_FLAGS=--xla_force_host_platform_device_count=N``. Nothing is
-allocated: weights, cache and host inputs are ``jax.ShapeDtypeStruct`` carrying the shardings
-the engine gives them.
+Used by ``bench/plan_vs_xla.py`` and its tests. The steps are the serving engine's forward call
+on the reference path (``paged_steps._forward_logits`` over the page pool, with the replica's
+``Parallel``: latent attention split by position in ``shard_map``, expert-parallel MoE dispatch
+when the mesh has ``expert`` > 1), each replica's on its own devices (with ``data`` > 1 the
+step is compiled for the mesh without ``data``, ``engine.replicas``):
+
+- decode: the replica's ``ceil(batch / data)`` rows of one token, each reading the block table
+  of the widest bucket for ``context`` (``Workload.decode_positions``);
+- prefill chunk: one row of T tokens over S positions for each chunk shape the planner sizes
+  (``Workload.prefill_shapes``: the serving engine's chunk policy). ``Engine``'s contiguous
+  chunk can be compiled beside it (``engine_chunk``); ``Engine``'s decode is not the deployment.
+
+Sampling (a separate call in serving, ``PagedSteps.sample``) is not compiled: the planner's
+output stage keeps the logits and their log-softmax, a few [B, V] fp32 rows.
+
+XLA's activation figure is its temporary bytes plus its outputs. Needs as many (faked) devices
+as the mesh has: run it in a process started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N``. Nothing is allocated: weights, cache and
+host inputs are ``jax.ShapeDtypeStruct`` carrying the shardings the engine gives them (the
+weights as ``generate.weight_specs`` declares them for the run: quantized and re-blocked).
+
+Weights and KV bytes are not compared here: both sides would read them from the same
+shardings. ``dayzero.tools.plan_measure`` compares them with arrays the engine places.
 """
 
 from __future__ import annotations
@@ -20,145 +35,262 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dayzero.engine.generate import engine_step
-from dayzero.engine.runtime import check_placement
+from dayzero.engine.generate import engine_step, weight_specs
+from dayzero.engine.runtime import RunConfig, resolve_run
 from dayzero.engine.sampling import SamplingMode, SamplingParams, batch_sampling
+from dayzero.model.cache import cache_specs
 from dayzero.model.config import ModelConfig
 from dayzero.model.footprint import DecodeFootprint
-from dayzero.model.parallel import Parallel
-from dayzero.model.cache import cache_specs
-from dayzero.model.weights import abstract_weights, is_spec, leaf_path, shape_structs
-from dayzero.sharding.placement import Placement, placement_for
-from dayzero.sharding.planner import KVDtype, WeightDtype, Workload, evaluate
-
-_INT_LEAVES = ("lengths", "rope_len")
+from dayzero.model.weights import shape_structs
+from dayzero.sharding.placement import placement_for
+from dayzero.sharding.planner import Workload, evaluate
 
 
-def one_layer_per_kind(config: ModelConfig) -> tuple[ModelConfig, list[int]]:
-    """``config`` cut to the first decoder layer of each kind (dense MLP, MoE), and those layers'
-    indices in the full model."""
+def mesh_devices(axes: dict[str, int]) -> list:
+    """The first devices of this process, as many as a mesh of ``axes`` has."""
+    return jax.devices()[: math.prod(axes.values())]
+
+
+def one_layer_per_kind(config: ModelConfig) -> ModelConfig:
+    """``config`` cut to the first decoder layer of each kind (dense MLP, MoE)."""
     flags = config.moe.layers if config.moe is not None else (False,) * config.num_layers
     chosen = sorted({flags.index(f) for f in set(flags)})
     moe = None if config.moe is None else dataclasses.replace(config.moe, layers=tuple(flags[i] for i in chosen))
     windows = tuple(config.sliding_windows[i] for i in chosen)
-    return dataclasses.replace(config, num_layers=len(chosen), moe=moe, sliding_windows=windows), chosen
+    return dataclasses.replace(config, num_layers=len(chosen), moe=moe, sliding_windows=windows)
 
 
-# Fields of the weight, cache and output trees that hold one entry per decoder layer.
-_PER_LAYER = ("layers", "latent", "index_keys", "k", "v")
+def engine_run(config: ModelConfig, axes: dict[str, int], work: Workload) -> RunConfig:
+    """The run an engine resolves for ``work``'s options on a mesh of ``axes`` (reference attention),
+    over the first devices of this process (it may have more)."""
+    placement = placement_for(axes, mesh_devices(axes))
+    if placement is None:
+        raise ValueError(f"mesh {axes} is one device; plan_check compares sharded steps")
+    return resolve_run(config, dtype=work.dtype, quantize=work.quantize, kv_cache=work.kv_cache,
+                       kernels="reference", placement=placement)
 
 
-def _layer_of(name: str) -> int | None:
-    """The decoder layer a leaf belongs to (``layers/3/attn/q``, ``latent/3``, ``1/latent/3``)."""
-    parts = name.split("/")
-    for field, index in zip(parts, parts[1:]):
-        if field in _PER_LAYER and index.isdigit():
-            return int(index)
-    return None
-
-
-def _per_device(structs: Any, shardings: Any) -> dict[str, int]:
-    """``{leaf name: bytes on one device}`` under the compiled executable's shardings."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(structs)
-    shards = jax.tree.leaves(shardings)
-    return {
-        leaf_path(path): math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
-        for (path, s), sh in zip(flat, shards)
-    }
-
-
-def _abstract(value: Any, sharding) -> Any:
-    """A tree of arrays as ``jax.ShapeDtypeStruct`` leaves carrying ``sharding``."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), value)
-
-
-def decode_step_inputs(config: ModelConfig, placement: Placement, batch: int, context: int, dtype) -> tuple:
-    """Abstract (weights, tokens, num_new, rows, step, cache) of a decode step, laid out as the
-    engine lays them out on ``placement``: weights and cache by their logical axes, host inputs
-    replicated (``Engine._host``), the tokens as the previous step returned them (replicated)."""
-    specs = abstract_weights(config)
-    weights = shape_structs(specs, dtype, placement.shardings(specs))
-    cspecs = cache_specs(config, batch, context)
-    cache = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), cspecs,
-                         placement.shardings(cspecs), is_leaf=is_spec)
-    cache = cache.replace(**{n: jax.ShapeDtypeStruct(getattr(cache, n).shape, jnp.int32,
-                                                     sharding=getattr(cache, n).sharding) for n in _INT_LEAVES})
+def step_inputs(config: ModelConfig, run: RunConfig, batch: int, context: int, tokens: int) -> tuple[tuple, dict]:
+    """Abstract (weights, tokens, num_new, rows, step) and ``{"cache": ...}`` of one engine step
+    of ``tokens`` tokens per row, laid out as the engine lays them out: weights and cache by their
+    logical axes (weights quantized and re-blocked as the run says), host inputs replicated
+    (``Engine._host``)."""
+    placement = run.placement
+    specs = weight_specs(config, run, untied_head=False)
+    weights = shape_structs(specs, run.dtype, placement.shardings(specs))
     replicated = placement.replicated()
     _, rows = batch_sampling([SamplingParams()] * batch)
-    host = (jnp.zeros((batch, 1), jnp.int32), jnp.ones((batch,), jnp.int32), rows, jnp.int32(1))
-    tokens, num_new, rows, step = _abstract(host, replicated)
-    return weights, tokens, num_new, rows, step, cache
+    host = (jnp.zeros((batch, tokens), jnp.int32), jnp.ones((batch,), jnp.int32), rows, jnp.int32(1))
+    host = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), host)
+    cspecs = cache_specs(config, batch, context, run.kv_cache)
+    return (weights, *host), {"cache": shape_structs(cspecs, run.dtype, placement.shardings(cspecs))}
 
 
-def xla_decode_memory(config: ModelConfig, axes: dict[str, int], batch: int, context: int, dtype) -> dict:
-    """Lower and compile the engine's greedy decode step of ``config`` on a mesh of ``axes``
-    (``generate.engine_step`` with the engine's ``Parallel``); per-device bytes."""
-    placement = placement_for(axes)
-    if placement is None:
-        raise ValueError(f"mesh {axes} is one device; plan_check compares sharded decode steps")
-    check_placement(config, placement)
-    weights, tokens, num_new, rows, step, cache = decode_step_inputs(config, placement, batch, context, dtype)
-    decode = jax.jit(functools.partial(engine_step, config, Parallel(placement)), static_argnames=("mode",))
-    compiled = decode.lower(weights, tokens, num_new, rows, step, mode=SamplingMode.GREEDY, cache=cache).compile()
-    memory = compiled.memory_analysis()
-    (in_w, *in_host), in_kw = compiled.input_shardings
-    in_c = in_kw["cache"]
-    host = sum(sum(_per_device(x, sh).values()) for x, sh in zip((tokens, num_new, rows, step), in_host))
+def _memory(lowered) -> dict:
+    """Per-device bytes of a lowered step once compiled; ``activations``: temporaries + outputs."""
+    memory = lowered.compile().memory_analysis()
     return {
-        "weights": _per_device(weights, in_w),
-        "cache": _per_device(cache, in_c),
-        "host_inputs": host,
-        "argument_bytes": int(memory.argument_size_in_bytes),
-        "output_bytes": int(memory.output_size_in_bytes),
-        "temp_bytes": int(memory.temp_size_in_bytes),
-        "alias_bytes": int(memory.alias_size_in_bytes),
+        "argument_bytes": int(memory.argument_size_in_bytes), "output_bytes": int(memory.output_size_in_bytes),
+        "temp_bytes": int(memory.temp_size_in_bytes), "alias_bytes": int(memory.alias_size_in_bytes),
+        "activations": int(memory.temp_size_in_bytes + memory.output_size_in_bytes),
     }
 
 
-def _scaled(per_leaf: dict[str, int], layers: list[int], kind_counts: dict[int, int]) -> int:
-    """Bytes of the full model from a cut one: each cut layer's leaves times its kind's count."""
-    total = 0
-    for name, size in per_leaf.items():
-        cut = _layer_of(name)
-        total += size if cut is None else size * kind_counts[layers[cut]]
-    return total
+def _compiled_memory(config: ModelConfig, run: RunConfig, args: tuple, kwargs: dict) -> dict:
+    step = jax.jit(functools.partial(engine_step, config, run.parallel), static_argnames=("mode",))
+    return _memory(step.lower(*args, mode=SamplingMode.GREEDY, **kwargs))
 
 
-def compare_with_xla(config: ModelConfig, name: str, work: Workload, axes: dict[str, int],
-                     check_dtype: str = "float32", whole: bool = True) -> dict:
-    """Planner against XLA, per component, for ``config`` on a mesh of ``axes`` (see module doc).
+def serving_step_inputs(config: ModelConfig, run: RunConfig, B: int, T: int, S: int, page_size: int) -> tuple:
+    """Abstract (weights, tokens, num_new, cache) of the serving engine's forward call
+    (``paged_steps._forward_logits``, the reference path) for ``B`` rows of ``T`` tokens, each
+    reading a block table of ``ceil(S / page_size)`` pages from a pool of as many pages per row,
+    laid out as ``PagedSteps`` lays it out (the pool by its logical axes; tables, lengths and
+    host inputs replicated)."""
+    from dayzero.model.paged_cache import paged_cache_specs
 
-    ``whole``: compile every layer and compare everything as compiled. Otherwise compile one
-    layer of each kind: weights and cache are XLA's per-leaf bytes scaled by the layer counts,
-    against the planner's full model; activations are compared on the compiled model itself
-    (the planner evaluated on that cut config), since part of them grows with depth.
-    """
-    checked = dataclasses.replace(work, weight_dtype=WeightDtype(check_dtype), kv_dtype=KVDtype(check_dtype))
-    lowered, layers = (config, list(range(config.num_layers))) if whole else one_layer_per_kind(config)
-    flags = config.moe.layers if config.moe is not None else (False,) * config.num_layers
-    # How many layers of the full model each compiled layer stands for.
-    kind_counts = {i: (1 if whole else flags.count(flags[i])) for i in layers}
-    xla = xla_decode_memory(lowered, axes, work.batch, work.context, jnp.dtype(check_dtype))
-    leaves = sum(xla["weights"].values()) + sum(xla["cache"].values()) + xla["host_inputs"]
-    if leaves != xla["argument_bytes"]:
-        raise AssertionError(f"per-leaf bytes {leaves} differ from XLA's argument size {xla['argument_bytes']}")
-    planned = evaluate(DecodeFootprint(config, name), checked, axes)
-    compiled_plan = planned if whole else evaluate(DecodeFootprint(lowered, name), checked, axes)
-    planner_figures = {"weights": planned.bytes["weights"], "kv_cache": planned.bytes["kv_cache"],
-                       "activations": compiled_plan.bytes["activations"]}
-    xla_figures = {
-        "weights": _scaled(xla["weights"], layers, kind_counts),
-        "kv_cache": _scaled(xla["cache"], layers, kind_counts),
-        "activations": xla["temp_bytes"] + xla["output_bytes"],  # the step's transients and results
-    }
-    planner_figures["total"] = sum(planner_figures.values())
-    xla_figures["total"] = sum(xla_figures.values())
-    return {
-        "model": name, "mesh": planned.mesh, "mesh_text": planned.to_json()["mesh_text"],
-        "strategy": planned.strategy, "batch": work.batch, "context": work.context,
-        "check_dtype": check_dtype, "whole": whole, "layers_compiled": lowered.num_layers,
-        "components": {k: {"planner": planner_figures[k], "xla": xla_figures[k],
-                           "ratio": planner_figures[k] / xla_figures[k]} for k in planner_figures},
-        "compiled": {"argument_bytes": xla["argument_bytes"], "output_bytes": xla["output_bytes"],
-                     "temp_bytes": xla["temp_bytes"], "planner_peak_stage": compiled_plan.peak_stage},
-    }
+    placement = run.placement
+    specs = weight_specs(config, run, untied_head=False)
+    weights = shape_structs(specs, run.dtype, placement.shardings(specs))
+    pages = -(-S // page_size)
+    pool = paged_cache_specs(config, B * pages, page_size, batch=B, table_width=pages, kv_quant=run.kv_cache)
+    cache = shape_structs(pool, run.dtype, placement.shardings(pool))
+    replicated = placement.replicated()
+    host = (jnp.zeros((B, T), jnp.int32), jnp.ones((B,), jnp.int32))
+    tokens, num_new = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated) for x in host)
+    tables = jax.ShapeDtypeStruct(cache.block_tables.shape, jnp.int32, sharding=replicated)
+    cache = cache.replace(block_tables=tables,
+                          lengths=jax.ShapeDtypeStruct((B,), jnp.int32, sharding=replicated),
+                          rope_len=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated))
+    return weights, tokens, num_new, cache
+
+
+def _serving_memory(config: ModelConfig, run: RunConfig, B: int, T: int, S: int, page_size: int) -> dict:
+    from dayzero.engine.paged_steps import _forward_logits
+
+    args = serving_step_inputs(config, run, B, T, S, page_size)
+    return _memory(_forward_logits.lower(*args, config=config, parallel=run.parallel))
+
+
+def replica_run(config: ModelConfig, axes: dict[str, int], work: Workload) -> RunConfig:
+    """The run of one serving replica: with ``data`` > 1 each replica runs on its own ``tensor``
+    x ``expert`` devices (``engine.replicas``), so a step is compiled for the mesh without ``data``."""
+    return engine_run(config, {**axes, "data": 1}, work)
+
+
+def xla_serving_decode_memory(config: ModelConfig, axes: dict[str, int], work: Workload) -> dict:
+    """Per-device bytes of the serving engine's decode forward on the reference path: one
+    replica's ``ceil(batch / data)`` rows of one token, each reading the block table of the
+    widest bucket for ``work.context`` (``Workload.decode_positions``), over the page pool."""
+    rows = -(-work.batch // int(axes.get("data", 1)))
+    return _serving_memory(config, replica_run(config, axes, work), rows, 1, work.decode_positions, work.page_size)
+
+
+def xla_prefill_memory(config: ModelConfig, axes: dict[str, int], work: Workload, page_size: int = 16,
+                       engine_chunk: bool = False) -> dict:
+    """Per-device bytes of prefill chunks as the planner sizes them: one row of T tokens over S
+    positions for each (T, S) of ``work.prefill_shapes()`` (the serving engine's chunk policy),
+    lowered as the serving engine runs them on the reference path (``_forward_logits`` over a
+    paged cache of ``page_size`` pages; with ``data`` > 1 each replica runs on its ``tensor`` x
+    ``expert`` devices, ``engine.replicas``). ``{"shapes": [{"T", "S", "activations", ...}],
+    "activations": the largest}``; ``engine_chunk``: each shape also as ``Engine``'s step over a
+    contiguous cache of S positions (``"engine"``), for comparison."""
+    replica = replica_run(config, axes, work)
+    shapes = []
+    for T, S in work.prefill_shapes():
+        row = {"T": T, "S": S, **_serving_memory(config, replica, 1, T, S, page_size)}
+        if engine_chunk:
+            run = engine_run(config, axes, work)
+            row["engine"] = _compiled_memory(config, run, *step_inputs(config, run, 1, S, T))["activations"]
+        shapes.append(row)
+    return {"shapes": shapes, "activations": max(r["activations"] for r in shapes)}
+
+
+def planned_prefill_peaks(config: ModelConfig, name: str, work: Workload, axes: dict[str, int]) -> list[int]:
+    """The planner's peak of each prefill shape (in ``work.prefill_shapes()`` order)."""
+    from dayzero.model.footprint_steps import step_stages
+    from dayzero.sharding.placement import rules_for_mesh
+    from dayzero.sharding.planner import device_bytes
+
+    full = {a: int(axes.get(a, 1)) for a in ("data", "tensor", "expert")}
+    rules = rules_for_mesh(full)
+    steps = DecodeFootprint(config, name).steps(work, full)["prefill"]
+    return [max(sum(device_bytes(t, rules, full) for t in stage.tensors) for stage in step_stages(config, st))
+            for st in steps]
+
+
+def compare_activations(config: ModelConfig, name: str, work: Workload, axes: dict[str, int],
+                        cut: bool = False, stages: tuple[str, ...] = ("decode", "prefill"),
+                        engine_chunk: bool = False) -> dict:
+    """The planner's decode and prefill activation peaks against XLA's, for ``config`` (or, with
+    ``cut``, one layer of each kind of it: part of the activations grows with depth, so both
+    sides are evaluated on the cut model) on a mesh of ``axes``; ratio = planner / XLA. The
+    prefill figure is the largest over the chunk shapes; each shape is also given (``shapes``,
+    with ``engine_chunk`` the same chunk as ``Engine``'s contiguous step too)."""
+    model = one_layer_per_kind(config) if cut else config
+    planned = evaluate(DecodeFootprint(model, name), work, axes)
+    out: dict[str, Any] = {"model": name, "mesh": planned.mesh, "strategy": planned.strategy,
+                           "batch": work.batch, "context": work.context, "prefill_chunk": work.prefill_chunk,
+                           "dtype": work.dtype, "quantize": work.quantize, "kv_cache": work.kv_cache,
+                           "cut": cut, "layers_compiled": model.num_layers, "refused": planned.refused,
+                           "peak_stage": planned.peak_stage}
+    if "decode" in stages:
+        xla = xla_serving_decode_memory(model, axes, work)
+        peak = planned.activation_peaks["decode"]
+        out["decode"] = {"planner": peak, "xla": xla["activations"], "ratio": peak / xla["activations"]}
+    if "prefill" in stages:
+        xla = xla_prefill_memory(model, axes, work, engine_chunk=engine_chunk)
+        peak = planned.activation_peaks["prefill"]
+        for row, mine in zip(xla["shapes"], planned_prefill_peaks(model, name, work, axes)):
+            row.update(planner=mine, ratio=mine / row["activations"])
+        out["prefill"] = {"planner": peak, "xla": xla["activations"], "ratio": peak / xla["activations"],
+                          "shapes": xla["shapes"]}
+    return out
+
+
+# ---- the configurations checked ------------------------------------------------------------------
+
+# The scaled-down configurations of tests/test_plan.py's former 64-device check (MLA with MoE
+# behind a dense layer, DSA, GQA), on which the copy counts were fitted.
+_DEEPSEEK = {"model_type": "deepseek_v3", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+             "moe_intermediate_size": 64, "num_hidden_layers": 4, "first_k_dense_replace": 1,
+             "num_attention_heads": 16, "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 4,
+             "kv_lora_rank": 64, "q_lora_rank": 64, "qk_rope_head_dim": 32, "qk_nope_head_dim": 32,
+             "v_head_dim": 32, "max_position_embeddings": 1 << 20}
+TEST_CONFIGS = {
+    "test-mla": _DEEPSEEK,
+    "test-dsa": dict(_DEEPSEEK, model_type="deepseek_v32", index_topk=512, index_n_heads=16, index_head_dim=64),
+    "test-gqa": {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+                 "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 8},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One configuration to check: a model (a ``plan_measure.MODELS`` name at ``size`` "full" or
+    "reduced", or a :data:`TEST_CONFIGS` name), a mesh, a workload; ``cut``: compile one layer
+    of each kind; ``fitted``: the copy counts were fitted on it (``Engine``'s decode, before
+    the planner's decode became the serving decode; the serving decode's page gathers have no
+    fitted count: their structure was read off the compiled buffers of gqa-dense-dp,
+    gqa-kv-int8, kimi-ep4-batch16, dsa-tp, deepseek-kv-fp8, test-mla and test-dsa)."""
+
+    model: str
+    mesh: str
+    batch: int
+    context: int
+    prefill_chunk: int = 512
+    kv_cache: str = "none"
+    size: str = "reduced"
+    cut: bool = False
+    fitted: bool = False
+
+    @property
+    def axes(self) -> dict[str, int]:
+        """The mesh's axis sizes."""
+        from dayzero.sharding.distributed import parse_mesh
+
+        return parse_mesh(self.mesh)
+
+    def config(self) -> ModelConfig:
+        """The model configuration checked."""
+        from dayzero.model.hf_config import parse_hf_config
+        from dayzero.tools.plan_measure import full_config, reduced
+
+        if self.model in TEST_CONFIGS:
+            return parse_hf_config(TEST_CONFIGS[self.model])
+        return full_config(self.model) if self.size == "full" else reduced(full_config(self.model))
+
+    def workload(self, dtype: str = "float32") -> Workload:
+        """The planner's workload for this case, at ``dtype`` (XLA:CPU is checked in fp32: its
+        bf16 matmuls convert their operands to fp32 copies no GPU makes)."""
+        return Workload(devices=math.prod(self.axes.values()), device_memory=80 << 30, kv_cache=self.kv_cache,
+                        dtype=dtype, batch=self.batch, context=self.context, prefill_chunk=self.prefill_chunk)
+
+
+CASES = {
+    # Fitted: the README's table (full size, one layer of each kind) and the tests' 64-device cases.
+    "deepseek-v3": Case("deepseek-v3", "data=2,tensor=32", 16, 131072, size="full", cut=True, fitted=True),
+    "kimi-k2": Case("kimi-k2", "data=2,tensor=32", 16, 131072, size="full", cut=True, fitted=True),
+    "deepseek-v3-ep": Case("deepseek-v3", "tensor=8,expert=8", 16, 131072, size="full", cut=True, fitted=True),
+    "test-mla": Case("test-mla", "data=4,tensor=16", 8, 262144, fitted=True),
+    "test-dsa": Case("test-dsa", "tensor=64", 8, 262144, fitted=True),
+    "test-gqa": Case("test-gqa", "data=8,tensor=8", 64, 32768, fitted=True),
+    "test-mla-ep": Case("test-mla", "tensor=8,expert=8", 64, 1024, fitted=True),
+    # Held out: reduced models (plan_measure.reduced) on 8 devices, other meshes, batches, contexts.
+    "gqa-dense-dp": Case("llama3-8b", "data=2,tensor=4", 8, 2048, 256),
+    "gqa-moe-dp": Case("qwen3-30b-a3b", "data=2,tensor=4", 8, 1024, 256),
+    "gqa-moe-kv-replicated": Case("qwen3-30b-a3b", "tensor=8", 8, 1024, 256),
+    "kimi-ep": Case("kimi-k2", "tensor=4,expert=2", 8, 1024, 256),
+    "kimi-ep4-batch16": Case("kimi-k2", "tensor=2,expert=4", 16, 512, 256),
+    "deepseek-tp": Case("deepseek-v3", "tensor=8", 4, 2048, 256),
+    "dsa-tp": Case("frontier-3t-1m", "tensor=8", 4, 2048, 256),
+    "deepseek-kv-fp8": Case("deepseek-v3", "tensor=8", 4, 2048, 256, kv_cache="fp8"),
+    "gqa-kv-int8": Case("llama3-8b", "tensor=8", 8, 2048, 256, kv_cache="int8"),
+}
+
+
+def check_case(name: str, stages: tuple[str, ...] = ("decode", "prefill")) -> dict:
+    """:func:`compare_activations` for ``CASES[name]``, labelled fitted or held out."""
+    case = CASES[name]
+    result = compare_activations(case.config(), case.model, case.workload(), case.axes, cut=case.cut, stages=stages)
+    return {**result, "case": name, "label": "fitted" if case.fitted else "held out"}

@@ -1,0 +1,90 @@
+"""Planner validation parts that need faked CPU devices, run in a fresh interpreter by
+tests/test_plan_validation.py (``python -m tests.plan_checks PART [ARGS]``, started with
+:func:`start`; each prints one JSON object).
+
+- ``placed [full]``: per-device bytes of the weights the engine places and of the serving
+  engine's KV page pools (reduced models) against the planner, for every model on three meshes
+  with and without quantization (``full``: every storage scheme on four meshes);
+- ``recommend MODEL OPTIONS [all]``: load the mesh the planner recommends (``all``: every mesh
+  it recommends as the device memory shrinks) and generate 2 tokens;
+- ``activations CASE...`` / ``decode CASE...``: the planner's decode and prefill (or decode
+  only) activation peaks against XLA's compiled memory analysis (``tools.plan_check.CASES``:
+  fitted and held-out configurations; start it with as many devices as the largest mesh).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from dayzero.sharding.distributed import parse_mesh
+from dayzero.tools.plan_measure import (MODELS, compare_placed, full_config, host_weights, recommended_meshes,
+                                        reduced, run_recommendation)
+
+MOE_MESHES = ("tensor=8", "tensor=4,expert=2", "data=2,tensor=4")
+DENSE_MESHES = ("tensor=8", "data=2,tensor=4", "data=4,tensor=2")
+OPTIONS = ("none/none", "fp8-block/fp8")
+FULL_OPTIONS = ("none/none", "fp8-block/fp8", "int8/int8", "fp8/none", "int4/none")
+
+def part_placed(scope: str = "default") -> dict:
+    """Placed-array rows (see the module docstring)."""
+    rows = []
+    for name in MODELS:
+        config = reduced(full_config(name))
+        meshes = MOE_MESHES if config.moe is not None else DENSE_MESHES
+        if scope == "full":
+            meshes += ("tensor=2,expert=4",) if config.moe is not None else ("tensor=4",)
+        for option in FULL_OPTIONS if scope == "full" else OPTIONS:
+            quantize, kv = option.split("/")
+            weights = host_weights(config, quantize)
+            rows += [compare_placed(name, config, parse_mesh(m), quantize, kv, weights=weights) for m in meshes]
+    return {"rows": rows}
+
+
+def part_recommend(name: str, option: str, scope: str = "one") -> dict:
+    """Run the meshes the planner recommends for reduced ``name`` with ``option``
+    (QUANTIZE/KV_CACHE): the first (the tightest memory: the most split mesh) or, with
+    ``scope`` "all", each distinct one. One dense layer is kept (compile time); the plan is
+    made for the same config that runs."""
+    config = reduced(full_config(name), dense_layers=1)
+    quantize, kv = option.split("/")
+    recs = recommended_meshes(config, name, quantize, kv)
+    if scope != "all":
+        recs = [r for r in recs if r["mesh"]["expert"] > 1][:1] or recs[:1]
+    weights = host_weights(config, quantize)
+    return {"rows": [run_recommendation(name, config, r, quantize, kv, weights=weights) for r in recs]}
+
+
+def part_activations(*cases: str) -> dict:
+    """Planner against XLA for the named ``tools.plan_check.CASES`` (decode and prefill)."""
+    from dayzero.tools.plan_check import check_case
+
+    return {case: check_case(case) for case in cases}
+
+
+def part_decode(*cases: str) -> dict:
+    """The same, decode only."""
+    from dayzero.tools.plan_check import check_case
+
+    return {case: check_case(case, ("decode",)) for case in cases}
+
+
+def start(part: str, *args: str, devices: int = 8, fast_compile: bool = False) -> subprocess.Popen:
+    """Start one part in a fresh interpreter with ``devices`` faked CPU devices (collect it with
+    ``tests.mesh_checks.result_of``). ``fast_compile``: XLA's backend optimisations off, for parts
+    that only run (never for memory analysis, which they may change)."""
+    flags = f"--xla_force_host_platform_device_count={devices}" + (
+        " --xla_backend_optimization_level=0" if fast_compile else "")
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen([sys.executable, "-m", "tests.plan_checks", part, *map(str, args)], env=env, cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+PARTS = {"placed": part_placed, "recommend": part_recommend, "activations": part_activations,
+         "decode": part_decode}
+
+if __name__ == "__main__":
+    print(json.dumps(PARTS[sys.argv[1]](*sys.argv[2:])))

@@ -1,0 +1,173 @@
+"""The deployment planner checked against what runs, not against itself.
+
+1. Weights and KV: per-device bytes of the arrays the engine places (``Engine(...)`` on a mesh of
+   faked CPU devices, weights quantized at load and re-blocked by the engine, the cache
+   ``generate`` allocates), read from each array's addressable shards, equal the planner's to
+   the byte, for every model at reduced size (``tools/plan_measure.reduced``: DeepSeek-V3,
+   Kimi-K2, frontier-3t-1m, a Llama-3-8B-like GQA model, a Qwen3-30B-A3B-like GQA MoE) on three
+   meshes, with and without quantization. A forgotten scale, a leaf split that the engine
+   replicates or a block re-blocked otherwise changes the bytes of some device.
+2. Recommendations: the mesh ``plan`` recommends loads with the options planned for and runs a
+   prefill chunk and a decode step (all of them, as the memory shrinks: slow).
+3. Activations: the planner's decode and prefill-chunk peaks against XLA's compiled memory
+   analysis of the serving engine's steps (temporaries + outputs; a replica's decode over the
+   widest block table and its prefill chunks, reference path), on configurations the copy
+   counts were not fitted on (held out), and on the ones they were (``tools/plan_check.CASES``).
+
+Tolerances. Weights and KV: exact (both are shapes and dtypes; nothing is estimated). Held-out
+activations: 25%. The copy counts stand for XLA's buffer assignment, which keeps a copy more or
+less with the shapes: where the planner models the structure, held-out ratios measured 0.94-1.09;
+where it missed one (a buffer held per layer, a split it did not know), they were 0.37, 0.59, 1.45,
+3.4, 12.7. 25% passes the first kind and fails the second. Activations are also a small part of a
+deployment's memory (358 MiB of DeepSeek-V3's 43 GiB per device at batch 16), so 25% of them moves
+a fit decision by under 1% there. Fitted decode cases: 10%, as before. Known misses are strict
+xfails: each says what the planner gets wrong, and fixing it makes the test fail until the mark
+goes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dayzero.tools.plan_check import CASES
+from tests.mesh_checks import result_of
+from tests.plan_checks import FULL_OPTIONS, start
+
+TOLERANCE = 0.25
+FITTED_TOLERANCE = 0.10
+# The held-out activation cases of the default suite (the cheapest to compile of each kind).
+DEFAULT_HELD_OUT = ("gqa-dense-dp", "gqa-moe-dp")
+# The fitted cases compiled on 64 faked devices (the full-size README rows take minutes: bench only).
+FITTED_TESTS = ("test-gqa", "test-dsa", "test-mla", "test-mla-ep")
+HELD_OUT = tuple(name for name, case in CASES.items() if not case.fitted)
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """The default suite's device parts, started at once (compiling is single-threaded)."""
+    procs = {
+        "placed": start("placed"),
+        "recommend": start("recommend", "kimi-k2", "fp8-block/fp8", fast_compile=True),
+        "activations": start("activations", *DEFAULT_HELD_OUT),
+        "fitted": start("decode", *FITTED_TESTS, devices=64),
+    }
+    return {name: result_of(proc, timeout=900) for name, proc in procs.items()}
+
+
+def _check_placed(rows: list[dict]) -> None:
+    for row in rows:
+        where = (row["model"], row["mesh"], row["quantize"], row["kv_cache"])
+        assert row["refused"] is None, where
+        assert row["equal"], (where, row["components"], row["differences"])
+        assert not row["uneven"], where  # every device holds the same bytes of each component
+        comps = {c: v["placed"] for c, v in row["components"].items()}
+        # Scales exist exactly when asked for, so forgetting them cannot pass unseen.
+        assert (comps["weight_scales"] > 0) == (row["quantize"] != "none"), where
+        assert (comps["kv_scales"] > 0) == (row["kv_cache"] != "none"), where
+        assert comps["kv_cache"] > 0, where  # the pools were measured
+
+
+def test_placed_weight_and_kv_bytes_equal_the_planner(parts):
+    rows = parts["placed"]["rows"]
+    assert {r["model"] for r in rows} == {"deepseek-v3", "kimi-k2", "frontier-3t-1m", "llama3-8b", "qwen3-30b-a3b"}
+    assert len(rows) == 5 * 3 * 2
+    _check_placed(rows)
+
+
+def test_the_recommended_expert_parallel_mesh_runs_quantized(parts):
+    """Reduced Kimi-K2, fp8 blocks and an fp8 cache, one row on hosts of 2 devices: the planner
+    recommends tensor=4 x expert=2, which loads and generates."""
+    (row,) = parts["recommend"]["rows"]
+    assert row["mesh"] == {"tensor": 4, "expert": 2}, row
+    assert row["ok"], row.get("error")
+    assert all(len(t) == 2 for t in row["tokens"])
+
+
+def _within(result: dict, step: str, tolerance: float) -> bool:
+    return abs(result[step]["ratio"] - 1) <= tolerance
+
+
+@pytest.mark.parametrize("case", DEFAULT_HELD_OUT)
+def test_held_out_activations_agree_with_xla(parts, case):
+    result = parts["activations"][case]
+    for step in ("decode", "prefill"):
+        assert _within(result, step, TOLERANCE), (case, step, result[step])
+
+
+@pytest.mark.parametrize("case", FITTED_TESTS)
+def test_fitted_decode_activations_agree_with_xla(parts, case):
+    """The configurations the copy counts were fitted on (64 devices) still agree (regression)."""
+    result = parts["fitted"][case]
+    assert _within(result, "decode", FITTED_TOLERANCE), (case, result["decode"])
+
+
+# ---- slow: everything ----------------------------------------------------------------------------
+
+MODELS = ("deepseek-v3", "kimi-k2", "frontier-3t-1m", "llama3-8b", "qwen3-30b-a3b")
+
+# Held-out (case, step) pairs the planner misses by more than the tolerance, as measured.
+KNOWN_MISSES = {
+    ("dsa-tp", "prefill"): "sparse attention's dense scan of a chunk: XLA keeps fewer score copies (1.45)",
+    ("deepseek-kv-fp8", "decode"): "XLA:CPU has no fp8: it gathers the fp8 latent pages as f16, two bytes an "
+                                   "element where the planner (for GPUs) counts one (0.70)",
+}
+FITTED_PREFILL_MISSES = {
+    "test-mla-ep": "expert-parallel dispatch buffers of a 512-token chunk: the planner is 1.88x over",
+    "test-dsa": "16 tokens over 262144, gathering the picked rows: XLA holds more beside the whole index scores "
+                "[T*I, S] than the one copy counted (one in decode, where test-dsa and dsa-tp agree) (0.62)",
+    "test-gqa": "64 tokens over 32768: XLA keeps more [1,1,128,S] fp32 score blocks live than the 2 counted (0.63)",
+}
+
+
+@pytest.fixture(scope="module")
+def slow_parts():
+    procs = {
+        "placed": start("placed", "full"),
+        "activations": start("activations", *HELD_OUT),
+    }
+    return {name: result_of(proc, timeout=1800) for name, proc in procs.items()}
+
+
+@pytest.mark.slow
+def test_placed_bytes_equal_the_planner_for_every_scheme_and_four_meshes(slow_parts):
+    rows = slow_parts["placed"]["rows"]
+    assert len(rows) == 5 * 4 * len(FULL_OPTIONS)
+    _check_placed(rows)
+
+
+def _pairs():
+    for case in HELD_OUT:
+        for step in ("decode", "prefill"):
+            reason = KNOWN_MISSES.get((case, step))
+            marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+            yield pytest.param(case, step, marks=marks, id=f"{case}-{step}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case, step", list(_pairs()))
+def test_every_held_out_activation_case(slow_parts, case, step):
+    result = slow_parts["activations"][case]
+    assert _within(result, step, TOLERANCE), (case, step, result[step])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [pytest.param(c, marks=[pytest.mark.xfail(reason=FITTED_PREFILL_MISSES[c], strict=True)]
+                                               if c in FITTED_PREFILL_MISSES else []) for c in FITTED_TESTS])
+def test_fitted_configurations_prefill_activations(case):
+    """The prefill chunk's peak on the fitted configurations (its copy counts are the decode
+    step's: held out for the prefill figure)."""
+    result = result_of(start("activations", case, devices=64), timeout=1800)[case]
+    assert _within(result, "prefill", TOLERANCE), (case, result["prefill"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", MODELS)
+def test_every_recommended_mesh_runs(model):
+    """Each distinct mesh the planner recommends for reduced ``model`` as the device memory
+    shrinks (4 rows on hosts of 8; one row on hosts of 2), with and without fp8 blocks and an fp8
+    cache, loads and generates."""
+    procs = [start("recommend", model, option, "all", fast_compile=True) for option in ("none/none", "fp8-block/fp8")]
+    rows = [row for proc in procs for row in result_of(proc, timeout=1800)["rows"]]
+    assert len(rows) >= 2
+    for row in rows:
+        assert row["ok"], (row["mesh"], row["quantize"], row.get("error"))

@@ -1,0 +1,385 @@
+"""The planner's weight and KV figures against arrays the engine actually places, at reduced size.
+
+``dayzero plan`` computes per-device bytes by arithmetic over abstract declarations; this module
+measures them instead. A model is shrunk (:func:`reduced`) to a few MB with its structure kept
+(latent or grouped-query attention, sparse attention, the MoE routing groups, the dense layers
+before the MoE ones, head and expert counts that still divide the meshes), then built the way
+the engine builds it: random float weights, quantized as ``Engine.load(quantize=...)`` quantizes
+at load, handed to ``Engine(...)``, which resolves the run, re-blocks block scales for the mesh
+and places every leaf; the KV is the page pools a ``ServingEngine`` over that engine allocates for
+the rows and positions (the deployment's cache; each data replica's pool on its devices).
+Per-device bytes are read back from the placed arrays
+(``shard.data.nbytes`` of each addressable shard), per component, and compared with
+``planner.evaluate`` on the same reduced config, mesh and options: they must be equal.
+
+:func:`run_recommendation` closes the loop: the mesh ``plan`` recommends is loaded and runs one
+prefill chunk and one decode step.
+
+Needs (faked) devices: run it in a process started with
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (``python -m dayzero.tools.plan_measure``
+sets it from ``--devices``). Full-size models cannot be placed on this machine; their figures are
+the planner's arithmetic only, checked here at reduced size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections import defaultdict
+from typing import Any
+
+# Published config.json files (the keys that matter) of the two grouped-query models the checks
+# use beside the presets: a dense one (as bench/configs/llama3-8b.json) and a MoE one.
+LLAMA3_8B = {
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-05, "rope_theta": 500000.0,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": False,
+}
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "tie_word_embeddings": False,
+}
+MODELS = ("deepseek-v3", "kimi-k2", "frontier-3t-1m", "llama3-8b", "qwen3-30b-a3b")
+
+
+def full_config(name: str):
+    """The full-size ``ModelConfig`` of one of :data:`MODELS` (a preset or a published config)."""
+    from dayzero.model.hf_config import parse_hf_config
+    from dayzero.model.presets import PRESETS, load_preset
+
+    if name in PRESETS:
+        return load_preset(name)
+    raw = {"llama3-8b": LLAMA3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}.get(name)
+    if raw is None:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    return parse_hf_config(raw)
+
+
+def _round(x: float, multiple: int) -> int:
+    return max(multiple, int(round(x / multiple)) * multiple)
+
+
+def reduced(config, moe_layers: int = 1, dense_layers: int | None = None, hidden: int = 256):
+    """``config`` shrunk to a few MB, its structure kept.
+
+    Kept: the attention kind (GQA with its query/kv head ratio, MLA with a q LoRA, DSA), the
+    leading dense layers of a MoE model (DeepSeek-V3's 3, Kimi-K2's 1) followed by ``moe_layers``
+    MoE layers (a dense model gets ``dense_layers``, default 2), experts per token, routing groups,
+    shared experts, tied or untied head, and the awkward widths that exercise block re-blocking
+    on a mesh (the latent row L+R = 96 is 0.75 of a 128 block, as 576 is 4.5 of them).
+    Shrunk: widths by ``hidden`` / D (vocabulary by 128, to a multiple of 64), head counts above
+    32 by 8 (128 -> 16, 64 -> 8: still divisible by 8), experts by 8 (256 -> 32, 384 -> 48), MLA
+    ranks and head dims by 4-8, DSA top-k by 32 (2048 -> 64) with 16 index heads.
+    """
+    c = config
+    scale = hidden / c.hidden_size
+    N = c.num_heads if c.num_heads <= 32 else c.num_heads // 8
+    flags = c.moe.layers if c.moe is not None else (False,) * c.num_layers
+    leading = next((i for i, f in enumerate(flags) if f), len(flags))
+    if c.moe is None:
+        layer_flags = (False,) * (2 if dense_layers is None else dense_layers)
+    else:
+        layer_flags = (False,) * (leading if dense_layers is None else min(leading, dense_layers)) + (True,) * moe_layers
+    changes: dict[str, Any] = dict(
+        hidden_size=hidden, intermediate_size=_round(c.intermediate_size * scale, 32),
+        vocab_size=_round(c.vocab_size / 128, 64), num_layers=len(layer_flags), num_heads=N,
+        sliding_windows=tuple(c.sliding_windows[:len(layer_flags)]),
+    )
+    if c.mla is not None:
+        m = c.mla
+        mla = dataclasses.replace(
+            m, q_lora_rank=None if m.q_lora_rank is None else _round(m.q_lora_rank * scale, 32),
+            kv_lora_rank=max(32, m.kv_lora_rank // 8), nope_dim=max(16, m.nope_dim // 4),
+            rope_dim=max(16, m.rope_dim // 2), v_head_dim=max(16, m.v_head_dim // 4))
+        changes.update(mla=mla, num_kv_heads=N, head_dim=mla.rope_dim)
+        if c.dsa is not None:
+            changes["dsa"] = dataclasses.replace(c.dsa, topk=max(16, c.dsa.topk // 32), heads=16,
+                                                 head_dim=max(mla.rope_dim, c.dsa.head_dim // 2))
+    else:
+        changes.update(num_kv_heads=c.num_kv_heads * N // c.num_heads, head_dim=max(16, c.head_dim // 8))
+    if c.moe is not None:
+        E = c.moe.num_experts // 8
+        groups = c.moe.num_groups if E % c.moe.num_groups == 0 and E // c.moe.num_groups >= 2 else 1
+        changes["moe"] = dataclasses.replace(
+            c.moe, num_experts=E, experts_per_token=min(c.moe.experts_per_token, E),
+            intermediate_size=_round(c.moe.intermediate_size * scale, 16), layers=layer_flags,
+            num_groups=groups, groups_per_token=min(c.moe.groups_per_token, groups))
+    return dataclasses.replace(c, **changes)
+
+
+# ---- building as the engine builds --------------------------------------------------------------
+
+
+def build_engine(config, axes: dict[str, int], quantize: str = "none", kv_cache: str = "none",
+                 dtype: str = "bfloat16", seed: int = 0, weights=None):
+    """An ``Engine`` over random weights of ``config`` (or ``weights`` from :func:`host_weights`)
+    on a mesh of ``axes`` over this process's first devices (all 1: one device), the weights
+    quantized at load as ``quantize`` says; the engine resolves the run, re-blocks block scales
+    for the mesh and places them."""
+    import jax
+
+    from dayzero.engine.generate import Engine
+    from dayzero.sharding.placement import placement_for
+
+    if weights is None:
+        weights = host_weights(config, quantize, dtype, seed)
+    devices = jax.devices()[: math.prod(axes.values())]  # the process may have more (bench/plan_vs_xla.py)
+    return Engine(config, weights, placement=placement_for(axes, devices), kv_cache=kv_cache)
+
+
+def random_weights(specs, seed: int, dtype: str, scale: float = 0.2):
+    """Float weights for a spec tree as host (numpy) arrays: N(0, ``scale``) matrices, ones and
+    zeros where the spec says. Drawn with numpy: ``init_weights`` draws with jax, which compiles
+    a sampler per leaf shape (~0.5 s each here, 12 s for a reduced DeepSeek-V3)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dayzero.model.weights import Init, map_specs
+
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(dtype)
+
+    def make(s):
+        if s.init is Init.ONES:
+            return np.ones(s.shape, dtype)
+        if s.init is Init.ZEROS:
+            return np.zeros(s.shape, dtype)
+        return (scale * rng.standard_normal(s.shape, np.float32)).astype(dtype)
+
+    return map_specs(make, specs)
+
+
+def host_weights(config, quantize: str = "none", dtype: str = "bfloat16", seed: int = 0):
+    """Random weights of ``config`` quantized as ``Engine.load(quantize=...)`` quantizes a float
+    checkpoint at load (``quantize_weights`` with the plain specs), fetched to the host: an
+    ``Engine`` built on any mesh from them re-blocks and places them itself (numpy scales re-block
+    without compiling, where jax ones compile per shape: 0.1 s against 3-4 s per engine)."""
+    import jax
+
+    from dayzero.model.quant import QuantConfig, parse_weight_quant
+    from dayzero.model.weights import abstract_weights, quantize_weights
+
+    weights = random_weights(abstract_weights(config), seed, dtype)
+    quant = QuantConfig(parse_weight_quant(quantize))
+    return jax.device_get(quantize_weights(weights, abstract_weights(config, quant)))
+
+
+def serving_pools(engine, batch: int, context: int, page_size: int = 16) -> list:
+    """The page pools of a ``ServingEngine`` over ``engine`` sized to hold ``batch`` rows of
+    ``context`` positions (``ceil(context / page_size)`` pages per row; with ``data`` > 1 one
+    pool per replica for its share of the rows, on its own devices): each replica's
+    ``PagedSteps.pool``."""
+    from dayzero.engine.paged_steps import ServingConfig
+    from dayzero.engine.serving import ServingEngine
+
+    replicas = 1 if engine.placement is None else engine.placement.axes["data"]
+    rows = -(-batch // replicas)
+    config = ServingConfig(slots=rows, page_size=page_size, num_pages=rows * -(-context // page_size),
+                           max_context=context)
+    return [replica.steps.pool for replica in ServingEngine(engine, config).replicas]
+
+
+def _components(tree: Any, plain: str, scales: str) -> list[tuple[str, str, Any]]:
+    """(leaf name, component, array) of every array of a weight or cache tree: quantized values
+    and plain arrays are ``plain``, quantized scales ``scales``."""
+    import jax
+
+    from dayzero.model.quant import QuantizedArray
+    from dayzero.model.weights import leaf_path
+
+    out = []
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    for path, x in flat:
+        name = leaf_path(path)
+        if isinstance(x, QuantizedArray):
+            out += [(name, plain, x.values), (name + ":scale", scales, x.scale)]
+        else:
+            out.append((name, plain, x))
+    return out
+
+
+# Per-step int32 host inputs of the serving pools' tree, not KV storage (the planner omits them).
+HOST_INPUTS = ("block_tables", "lengths", "rope_len")
+
+
+def placed_bytes(engine, batch: int, context: int, page_size: int = 16) -> dict:
+    """Per-device bytes of the engine's placed weights and of the serving engine's page pools for
+    ``batch`` rows of ``context`` positions (:func:`serving_pools`; its block tables and lengths
+    left out), per component (``weights``, ``weight_scales``, ``kv_cache``, ``kv_scales``),
+    summed over each array's addressable shards (``shard.data.nbytes``) device by device:
+    ``{"max": {component: the largest device's bytes}, "uneven": [components whose bytes differ
+    between devices], "groups": {(component, global shape, itemsize): bytes on the device
+    holding the most}}`` (groups: for locating a difference)."""
+    arrays = _components(engine.weights, "weights", "weight_scales")
+    for pool in serving_pools(engine, batch, context, page_size):
+        arrays += [a for a in _components(pool, "kv_cache", "kv_scales") if a[0].split("/")[0] not in HOST_INPUTS]
+    per_device: dict[str, dict[int, int]] = {c: defaultdict(int) for c in COMPONENTS}
+    groups: dict[tuple, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    for _, component, x in arrays:
+        for shard in x.addressable_shards:
+            per_device[component][shard.device.id] += shard.data.nbytes
+            groups[(component, tuple(x.shape), x.dtype.itemsize)][shard.device.id] += shard.data.nbytes
+    return {"max": {c: max(per_device[c].values(), default=0) for c in COMPONENTS},
+            "uneven": [c for c in COMPONENTS if len(set(per_device[c].values())) > 1],
+            "groups": {key: max(sizes.values()) for key, sizes in groups.items()}}
+
+
+COMPONENTS = ("weights", "weight_scales", "kv_cache", "kv_scales")
+
+
+def planned_bytes(config, name: str, work, axes: dict[str, int]) -> dict:
+    """The planner's per-device bytes of ``config`` under ``work`` on ``axes``: per component,
+    per (component, global shape, itemsize) group as :func:`placed_bytes` groups them, and the
+    engine's refusal (``{"bytes", "groups", "refused"}``)."""
+    from dayzero.model.footprint import DecodeFootprint
+    from dayzero.sharding.placement import rules_for_mesh
+    from dayzero.sharding.planner import device_bytes, evaluate, logical_ways
+
+    footprint = DecodeFootprint(config, name)
+    plan = evaluate(footprint, work, axes)
+    full = {a: int(axes.get(a, 1)) for a in ("data", "tensor", "expert")}
+    rules = rules_for_mesh(full)
+    groups: dict[tuple, int] = defaultdict(int)
+    for t in footprint.weights(work, logical_ways(rules, full)) + footprint.cache(work, full):
+        groups[(t.component.value, tuple(t.shape), t.itemsize)] += device_bytes(t, rules, full)
+    return {"bytes": dict(plan.bytes), "groups": dict(groups), "refused": plan.refused}
+
+
+def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "none", kv_cache: str = "none",
+                   dtype: str = "bfloat16", batch: int = 4, context: int = 256, weights=None) -> dict:
+    """Placed-array bytes against the planner for ``config`` (reduced ``name``) on ``axes``: one
+    row, with the arrays that differ (``differences``: per component, global shape and element
+    size, the placed and the planned bytes on one device; the planner merges identical leaves,
+    so arrays are matched by shape, not by name). The KV placed is the serving engine's page
+    pools, as deployed (not ``Engine.generate``'s contiguous cache)."""
+    from dayzero.sharding.planner import Workload
+
+    engine = build_engine(config, axes, quantize, kv_cache, dtype, weights=weights)
+    devices = math.prod(axes.values())
+    work = Workload(devices=devices, device_memory=1 << 40, quantize=quantize, kv_cache=kv_cache, dtype=dtype,
+                    batch=batch, context=context)
+    placed = placed_bytes(engine, batch, context, work.page_size)
+    planned = planned_bytes(config, name, work, axes)
+    rows = {c: {"placed": placed["max"][c], "planner": planned["bytes"][c]} for c in COMPONENTS}
+    mine, theirs = placed["groups"], planned["groups"]
+    differences = [{"component": key[0], "shape": key[1], "itemsize": key[2], "placed": mine.get(key),
+                    "planner": theirs.get(key)} for key in sorted(set(mine) | set(theirs), key=str)
+                   if mine.get(key) != theirs.get(key)]
+    return {
+        "model": name, "mesh": {a: n for a, n in axes.items() if n > 1}, "quantize": quantize, "kv_cache": kv_cache,
+        "dtype": dtype, "batch": batch, "context": context, "components": rows,
+        "equal": all(r["placed"] == r["planner"] for r in rows.values()), "differences": differences,
+        "uneven": placed["uneven"], "refused": planned["refused"],
+    }
+
+
+# ---- the planner's recommendations run ----------------------------------------------------------
+
+
+def recommended_meshes(config, name: str, quantize: str, kv_cache: str, dtype: str = "bfloat16",
+                       devices: int = 8, context: int = 256) -> list[dict]:
+    """Every distinct mesh ``plan`` recommends for ``config`` on ``devices`` devices as the device
+    memory shrinks, with the workload that got it (``mesh``, ``batch``, ``devices_per_host``,
+    ``device_memory``): per workload shape (4 rows on hosts of 8 devices; one row on hosts of 2,
+    where tensor groups cross hosts and expert meshes win), one memory per runnable candidate,
+    just enough for that candidate's total, so that each level forces a split."""
+    from dayzero.model.footprint import DecodeFootprint
+    from dayzero.sharding.planner import Workload, plan
+
+    footprint = DecodeFootprint(config, name)
+    found: dict[tuple, dict] = {}
+    for batch, per_host in ((4, 8), (1, 2)):
+        def work(memory: int) -> Workload:
+            return Workload(devices=devices, device_memory=memory, quantize=quantize, kv_cache=kv_cache, dtype=dtype,
+                            batch=batch, context=context, devices_per_host=per_host)
+
+        totals = sorted({p.total for p in plan(footprint, work(1 << 40)).candidates if p.runs})
+        for total in totals:
+            memory = int(total / (1 - work(1).reserve)) + 1
+            best = plan(footprint, work(memory)).recommended
+            key = tuple(sorted(best.mesh.items()))
+            if best.fits and key not in found:
+                found[key] = {"mesh": dict(best.mesh), "batch": batch, "devices_per_host": per_host,
+                              "device_memory": memory}
+    return list(found.values())
+
+
+def run_recommendation(name: str, config, rec: dict, quantize: str = "none", kv_cache: str = "none",
+                       dtype: str = "bfloat16", prompt_len: int = 24, weights=None) -> dict:
+    """Load ``config`` on a recommended mesh (``rec`` from :func:`recommended_meshes`) with these
+    options and generate 2 tokens for ``rec["batch"]`` prompts of ``prompt_len`` tokens: one
+    prefill chunk and one decode step. The error, if any, is returned in the row, not raised."""
+    import numpy as np
+
+    row: dict[str, Any] = {"model": name, "quantize": quantize, "kv_cache": kv_cache, **rec,
+                           "mesh": {a: n for a, n in rec["mesh"].items() if n > 1}}
+    try:
+        engine = build_engine(config, rec["mesh"], quantize, kv_cache, dtype, weights=weights)
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(0, config.vocab_size, prompt_len).tolist() for _ in range(rec["batch"])]
+        done = engine.generate(prompts, max_new_tokens=2, ignore_eos=True)
+        row["tokens"] = [c.token_ids for c in done]
+        row["ok"] = all(len(c.token_ids) == 2 for c in done)
+    except Exception as e:  # noqa: BLE001 -- reported: the point is whether the mesh runs
+        row["ok"], row["error"] = False, f"{type(e).__name__}: {e}"
+    return row
+
+
+# ---- command line ---------------------------------------------------------------------------------
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("what", choices=("placed", "recommend"))
+    p.add_argument("--model", action="append", choices=MODELS, help="repeatable (default: all)")
+    p.add_argument("--devices", type=int, default=8)
+    p.add_argument("--mesh", action="append", help="AXIS=N,... (placed; repeatable; default tensor=8)")
+    p.add_argument("--options", action="append", default=None,
+                   help="QUANTIZE/KV_CACHE, e.g. fp8-block/fp8 (repeatable; default none/none)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--context", type=int, default=256)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """``python -m dayzero.tools.plan_measure placed|recommend ...``: one JSON line per row; exit
+    1 if any placed row differs from the planner or any recommended mesh fails to run."""
+    args = _parse(argv)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from dayzero.sharding.distributed import parse_mesh
+
+    ok = True
+    for name in args.model or MODELS:
+        config = reduced(full_config(name))
+        for option in args.options or ["none/none"]:
+            quantize, kv = option.split("/")
+            weights = host_weights(config, quantize, args.dtype)
+            if args.what == "placed":
+                for text in args.mesh or ["tensor=8"]:
+                    row = compare_placed(name, config, parse_mesh(text), quantize, kv, args.dtype, args.batch,
+                                         args.context, weights)
+                    ok &= row["equal"]
+                    print(json.dumps(row), flush=True)
+                continue
+            for rec in recommended_meshes(config, name, quantize, kv, args.dtype, args.devices, args.context):
+                row = run_recommendation(name, config, rec, quantize, kv, args.dtype, weights=weights)
+                ok &= row["ok"]
+                print(json.dumps(row), flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
