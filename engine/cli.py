@@ -32,6 +32,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dayzero.tools.plot import PlotError
     from dayzero.engine.runtime import RunConfigError
     from dayzero.engine.sampling import SamplingError
+    from dayzero.engine.server_run import ServeError
     from dayzero.tools.soak import SoakError
     from dayzero.engine.tokenizer import TokenizerError
     from dayzero.tools.verify import VerifyError
@@ -41,7 +42,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
-        QuantError, RunConfigError,
+        QuantError, RunConfigError, ServeError,
         BenchError, PeerError, PlotError, SoakError,
         VerifyError, CheckError, LaunchError, PlanError,
     )
@@ -167,21 +168,63 @@ def build_parser() -> argparse.ArgumentParser:
     ll.add_argument("--devices-per-process", type=int, required=True, metavar="D", help="CPU devices per process")
     ll.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...", help="the dayzero command to run")
 
+    _add_serve_parser(sub)
+
     pl = sub.add_parser("plan", help="per-device memory on N devices: weights, KV cache, activations, mesh, fits?")
     model = pl.add_mutually_exclusive_group(required=True)
     model.add_argument("--config", metavar="PATH", help="HF config.json (or the directory holding it)")
     model.add_argument("--preset", metavar="NAME", help="a named model: deepseek-v3, kimi-k2, frontier-3t-1m")
     pl.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
     pl.add_argument("--device-memory", required=True, metavar="SIZE", help="memory per device, e.g. 80GiB or 141GB")
-    pl.add_argument("--weight-dtype", default="bfloat16", choices=("float32", "bfloat16", "float8"))
-    pl.add_argument("--kv-dtype", default="bfloat16", choices=("float32", "bfloat16", "float8", "int8"))
+    pl.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",
+                    help="weight storage, as generate --quantize (auto is the platform's run-time choice: name one)")
+    pl.add_argument("--kv-cache", metavar="none|int8|fp8", default="none", help="KV-cache storage, as generate --kv-cache")
+    pl.add_argument("--dtype", default="bfloat16", metavar="bfloat16|float32", help="compute and float-weight dtype")
+    pl.add_argument("--kernels", default="auto", metavar="auto|reference|pallas",
+                    help="attention as generate --kernels (pallas refuses meshes that split heads unevenly)")
     pl.add_argument("--context", type=int, default=4096, metavar="N", help="cache positions per row")
     pl.add_argument("--batch", type=int, default=1, metavar="B", help="rows decoded together")
+    pl.add_argument("--prefill-chunk", type=int, default=512, metavar="T",
+                    help="tokens of one prefill chunk (one row, as serving prefills; its peak is planned too)")
+    pl.add_argument("--devices-per-host", type=int, default=8, metavar="N",
+                    help="devices per host: collectives over groups spanning hosts are counted as inter-host")
     pl.add_argument("--reserve", type=float, default=0.1, metavar="F", help="fraction of each device kept free")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     _add_mesh_arg(pl)
     _add_process_args(pl)
     return parser
+
+
+def _add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    s.add_argument("--model", help="converted model directory (default: embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one; the URL is printed)")
+    s.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: --model's value)")
+    s.add_argument("--slots", type=int, help="requests decoded at once (default 8)")
+    s.add_argument("--page-size", type=int, help="positions per KV page (default 16)")
+    s.add_argument("--num-pages", type=int, help="pages in the KV pool (default: 1024 positions per slot)")
+    s.add_argument("--max-context", type=int, help="longest prompt + completion served (default: the model's)")
+    s.add_argument("--max-chunk", type=int, help="most prompt tokens per prefill step, a power of two (default 512)")
+    s.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the pages of shared prompt prefixes")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; more answer 429 with Retry-After")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds running requests get to finish after SIGINT/SIGTERM before they are cancelled")
+    s.add_argument("--no-warmup", action="store_true", help="compile step shapes on first use, not before serving")
+    s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    _add_quant_args(s)
+    _add_mesh_arg(s)
+    _add_process_args(s)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``dayzero serve``."""
+    from dayzero.engine.server_run import run_serve
+
+    if args.max_queue < 0:
+        raise CommandError(f"--max-queue {args.max_queue} is negative; pass 0 or more")
+    return run_serve(args, _placement(args.mesh))
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -272,6 +315,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "check": cmd_check,
     "launch-local": cmd_launch_local,
     "plan": cmd_plan,
+    "serve": cmd_serve,
 }
 
 

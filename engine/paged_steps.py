@@ -9,7 +9,8 @@ bounded set of programs, all of which :meth:`PagedSteps.warmup` can compile up f
 - a decode step: one token for each decoding sequence, the rows packed into a batch of a
   power of two (up to ``slots``), reading a table W pages wide;
 - the page write of each (the table is always full width there: the write's shape is T only);
-- sampling, per batch size and sampling mode.
+- sampling, per batch size and sampling mode (and, once used or warmed up, with token masks and
+  with top logprobs: separate programs, so unconstrained serving runs the ones it always ran).
 
 Why the table width is a bucket: the reference attention gathers every page of the table and
 attends over all of it (masked), so the width, not the pool or the model's context, sets the
@@ -37,7 +38,8 @@ import numpy as np
 
 from dayzero.engine.generate import GenerationError, bucket
 from dayzero.engine.runtime import RunConfig, check_page_pool, resolve_run, with_kernels
-from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, sample
+from dayzero.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, SamplingMode, SamplingParams, allow_all, sample
+from dayzero.engine.sampling import top_logprobs as most_likely
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
@@ -180,10 +182,28 @@ def _pow2(n: int) -> bool:
 # Module-level jits, so that serving engines over the same model and shapes share compilations.
 # On a mesh, ``layout`` (static) pins what a step returns: sampled tokens replicated (every process
 # reads them back), the written pool in the sharding it was made with (so no step recompiles).
-@functools.partial(jax.jit, static_argnames=("mode", "layout"))
-def _sample_rows(logits, temperature, top_k, top_p, min_p, keys, steps, mode: SamplingMode, layout=None):
+# Sampling with token masks is a jit of its own: a batch without constrained rows runs
+# ``_sample_rows``, the same program as before constraints existed, and compiles no mask variant.
+# ``top`` (static): 0, or how many most likely tokens (with log-probabilities) to return as well.
+@functools.partial(jax.jit, static_argnames=("mode", "top", "layout"))
+def _sample_rows(logits, temperature, top_k, top_p, min_p, keys, steps, mode: SamplingMode, top=0, layout=None):
+    return _sampled(logits, (temperature, top_k, top_p, min_p, keys), steps, None, mode, top, layout)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "top", "layout"))
+def _sample_masked(logits, temperature, top_k, top_p, min_p, keys, steps, mask, mode: SamplingMode, top=0,
+                   layout=None):
+    return _sampled(logits, (temperature, top_k, top_p, min_p, keys), steps, mask, mode, top, layout)
+
+
+def _sampled(logits, params, steps, mask, mode, top, layout):
+    """The body of both sampling jits: tokens, logprobs (and the top ids and logprobs if ``top``)."""
+    temperature, top_k, top_p, min_p, keys = params
     rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(keys))
-    return _pinned(sample(logits, rows, steps, mode), layout)
+    out = sample(logits, rows, steps, mode, mask)
+    if top:
+        out = (*out, *most_likely(logits, top))
+    return _pinned(out, layout)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel"))
@@ -238,6 +258,17 @@ class RowParams:
         return out
 
 
+@dataclasses.dataclass
+class Sampled:
+    """What a sampling step returns, on the host: per row [B] the token and its logprob (and,
+    when asked for, the most likely tokens [B, k] with their logprobs, most likely first)."""
+
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    top_ids: np.ndarray | None = None
+    top_logprobs: np.ndarray | None = None
+
+
 def key_data(seed: int) -> np.ndarray:
     """The raw words of the PRNG key of ``seed`` (``sample`` folds each token's index into it)."""
     return np.asarray(jax.random.key_data(jax.random.key(int(seed))))
@@ -274,6 +305,7 @@ class PagedSteps:
         self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=weights.embed.dtype,
                                      kv_quant=run.kv_cache, shardings=self.layout)
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
+        self.samplings_run: set[tuple[int, SamplingMode, bool, int]] = set()  # (B, mode, masked, top) of each
         self.compile_s = 0.0  # seconds of the first call of each step shape (compile, then run)
 
     @property
@@ -340,17 +372,29 @@ class PagedSteps:
         compiled = _forward_logits.lower(self.weights, *args, config=self.config, parallel=self.parallel).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
-    def sample(self, logits: jax.Array, rows: RowParams, steps: np.ndarray, mode: SamplingMode
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def sample(self, logits: jax.Array, rows: RowParams, steps: np.ndarray, mode: SamplingMode,
+               masks: np.ndarray | None = None, top: int = 0) -> "Sampled":
         """Tokens [B] and their logprobs [B] for each row, with its own parameters and its
-        own ``steps`` (tokens it generated before this one), read back to the host."""
-        args = self._host((rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data,
-                           np.asarray(steps, np.int32)))
-        tokens, logprobs = _sample_rows(logits, *args, mode=mode, layout=self.sample_layout)
-        return np.asarray(tokens), np.asarray(logprobs)
+        own ``steps`` (tokens it generated before this one), read back to the host.
 
-    def warmup(self) -> int:
-        """Compile every shape serving can use; returns how many calls it made.
+        ``masks``: packed allowed-token bitmasks [B, ceil(V/32)] (uint32; see
+        ``sampling.TokenConstraint``), or None for a batch without constraints (the program
+        compiled without masks). ``top``: 0, or the number of most likely tokens to return with
+        their logprobs (``Sampled.top_ids``/``top_logprobs`` [B, top]).
+        """
+        args = (rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data, np.asarray(steps, np.int32))
+        self.samplings_run.add((len(rows.temperature), mode, masks is not None, top))
+        if masks is None:
+            out = _sample_rows(logits, *self._host(args), mode=mode, top=top, layout=self.sample_layout)
+        else:
+            args = self._host((*args, np.asarray(masks, np.uint32)))
+            out = _sample_masked(logits, *args, mode=mode, top=top, layout=self.sample_layout)
+        return Sampled(*(np.asarray(x) for x in out))
+
+    def warmup(self, constrained: bool = False, top_logprobs: bool = False) -> int:
+        """Compile every shape serving can use; returns how many calls it made. Sampling with
+        token masks (``constrained``) and with top logprobs are extra variants of each sampling
+        step, compiled only when asked for (else on a constrained or top-logprobs batch's first use).
 
         Each call writes nothing (no real token) and so leaves the pool as it was.
         """
@@ -362,9 +406,17 @@ class PagedSteps:
         for B, W in itertools.product(s.decode_batches(), s.table_widths()):
             self.run_step(np.zeros((B, 1)), np.zeros(B), np.zeros(B), np.zeros((B, s.max_table_pages), np.int32), W)
             calls += 1
-        for B, mode in itertools.product(s.decode_batches(), SamplingMode):
+        masked = (False, True) if constrained else (False,)
+        tops = (0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)  # ``top_width`` of none and of any
+        for B, mode, mask, top in itertools.product(s.decode_batches(), SamplingMode, masked, tops):
+            masks = np.tile(allow_all(self.config.vocab_size), (B, 1)) if mask else None
             self.sample(jnp.zeros((B, self.config.vocab_size), jnp.float32), RowParams.of([], [], B),
-                        np.zeros(B), mode)
+                        np.zeros(B), mode, masks, self.top_width(top))
             calls += 1
         return calls
+
+    def top_width(self, k: int) -> int:
+        """The ``top`` a batch whose rows ask for at most ``k`` top logprobs samples with: 0, or
+        every row's possible maximum (one compiled variant for all k)."""
+        return min(MAX_TOP_LOGPROBS, self.config.vocab_size) if k else 0
 

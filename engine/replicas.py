@@ -28,7 +28,7 @@ import jax
 from dayzero.engine.generate import Completion, Engine
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.runtime import on_placement
-from dayzero.engine.serving import Event, ServingEngine, ServingStats
+from dayzero.engine.serving import ConstraintError, Event, ServingEngine, ServingStats
 from dayzero.sharding import rules as R
 from dayzero.sharding.placement import Placement, rules_for_mesh
 
@@ -47,8 +47,9 @@ def replica_placements(placement: Placement) -> list[Placement]:
     axes = {a: s for a, s in placement.axes.items() if a != "data"}
     rules = rules_for_mesh(axes)
     data_index = list(placement.mesh.axis_names).index("data")
-    slices = [placement.mesh.devices.take(i, axis=data_index).reshape(-1) for i in range(placement.axes["data"])]
-    return [Placement(R.make_mesh(axes, list(devices)), rules) for devices in slices]
+    grid = placement.mesh.devices
+    slices = [R.grid_devices(grid.take([i], axis=data_index)) for i in range(placement.axes["data"])]
+    return [Placement(R.make_mesh(axes, devices), rules) for devices in slices]
 
 
 class ReplicatedServing(ServingEngine):
@@ -65,6 +66,8 @@ class ReplicatedServing(ServingEngine):
         self._ids = itertools.count()
         self._where: dict[int, tuple[int, int]] = {}  # request id -> (replica, its id there)
         self._ours: list[dict[int, int]] = [{} for _ in self.replicas]  # per replica: its id -> request id
+        self._cancelled: set[int] = set()
+        self._held: list[Event] = []  # events of a step cut short by a ConstraintError, for the next
 
     @property
     def stats(self) -> ServingStats:
@@ -90,15 +93,29 @@ class ReplicatedServing(ServingEngine):
     @property
     def has_work(self) -> bool:
         """Whether any replica has a request waiting or running."""
-        return any(r.has_work for r in self.replicas)
+        return bool(self._held) or any(r.has_work for r in self.replicas)
 
     def step(self) -> list[Event]:
         """One step of every replica; their tokens, under this engine's request ids."""
-        events = []
+        events, self._held = self._held, []
         for index, replica in enumerate(self.replicas):
             ours = self._ours[index]
-            events += [dataclasses.replace(e, request_id=ours[e.request_id]) for e in replica.step()]
+            try:
+                events += [dataclasses.replace(e, request_id=ours[e.request_id]) for e in replica.step()]
+            except ConstraintError as e:  # raised under this engine's id; the other replicas' events wait
+                self._held = events
+                request_id = ours.pop(e.request_id)
+                del self._where[request_id]
+                raise ConstraintError(request_id, str(e).replace(f"request {e.request_id}", f"request {request_id}"))
         return events
+
+    def _withdraw(self, request_id: int) -> bool:
+        """Withdraw ``request_id`` from the replica serving it (see ``ServingEngine.cancel``)."""
+        index, local = self._where.get(request_id, (None, None))
+        if index is None or not self.replicas[index]._withdraw(local):
+            return False
+        del self._where[request_id], self._ours[index][local]
+        return True
 
     def completion(self, request_id: int) -> Completion:
         """The finished request ``request_id``, handed over once (``KeyError`` before)."""
@@ -106,10 +123,6 @@ class ReplicatedServing(ServingEngine):
         done = self.replicas[index].completion(local)
         del self._where[request_id], self._ours[index][local]
         return done
-
-    def warmup(self) -> int:
-        """Compile every step shape of every replica; returns the number of calls."""
-        return sum(r.warmup() for r in self.replicas)
 
     def _least_loaded(self) -> int:
         load = [len(r._waiting) + len(r._running()) for r in self.replicas]

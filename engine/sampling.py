@@ -3,12 +3,18 @@
 Filters are applied in the order HF transformers applies its logits warpers (temperature, top-k,
 top-p, min-p). Parameters are arrays with one value per batch row, so rows with different
 settings share one compiled step; only the *kind* of sampling (greedy, plain, filtered) is static.
+
+Constrained decoding (structured output): a :class:`TokenConstraint` says which tokens may come
+next as a packed bitmask (llguidance's layout); :func:`sample` takes a batch of such masks and sets
+the logits of disallowed tokens to -inf before anything else. Whether a step takes masks at all
+is static: a batch without constraints runs the program compiled without them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +62,57 @@ class SamplingParams:
     def filtered(self) -> bool:
         """True when a top-k/top-p/min-p filter is active (these need the sorted distribution)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1 or self.min_p > 0)
+
+
+# Most alternatives a request may ask log-probabilities for (OpenAI's top_logprobs limit).
+MAX_TOP_LOGPROBS = 20
+
+
+@runtime_checkable
+class TokenConstraint(Protocol):
+    """Which tokens one request may generate next (a grammar's matcher, e.g. llguidance's).
+
+    The serving engine calls ``next_mask()`` before every step that samples the request's next
+    token, applies it to the logits inside the compiled sampling step, then ``accept(token)``
+    with the token drawn; when ``is_terminated()`` turns true after an ``accept`` the request
+    finishes with finish_reason "stop".
+    """
+
+    def next_mask(self):
+        """The allowed next tokens: a numpy uint32 (or int32) array [ceil(V/32)], bit ``t % 32``
+        of word ``t // 32`` set when token t is allowed (``llguidance.numpy.allocate_token_bitmask``'s
+        layout); at least one bit must be set."""
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token``, which the engine generated (the last mask allowed it)."""
+
+    def is_terminated(self) -> bool:
+        """Whether the constrained output is complete (the request then stops)."""
+
+
+def mask_words(vocab_size: int) -> int:
+    """Length of the packed bitmask of a ``vocab_size``-token vocabulary (32 tokens a word)."""
+    return -(-vocab_size // 32)
+
+
+def allow_all(vocab_size: int) -> np.ndarray:
+    """The packed bitmask that allows every token (rows without a constraint in a masked batch)."""
+    return np.full(mask_words(vocab_size), 0xFFFFFFFF, np.uint32)
+
+
+def unpack_mask(mask: jax.Array, vocab_size: int) -> jax.Array:
+    """Packed bitmasks [B, ceil(V/32)] (uint32) -> allowed [B, V] (bool)."""
+    token = jnp.arange(vocab_size)
+    words = jnp.take(mask.astype(jnp.uint32), token // 32, axis=-1)
+    return (words >> (token % 32).astype(jnp.uint32)) & 1 == 1
+
+
+def top_logprobs(logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` most likely tokens of each row of ``logits`` [B, V] and their log-probabilities
+    under the unmodified distribution (before temperature, filters or masks), most likely first:
+    ids [B, k] (int32), log-probabilities [B, k]."""
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), k)
+    return ids.astype(jnp.int32), values
 
 
 class SamplingMode(enum.Enum):
@@ -110,16 +167,22 @@ def _filter_sorted(sorted_logits: jax.Array, rows: RowSampling) -> jax.Array:
     return jnp.where(probs >= rows.min_p[:, None] * probs[:, :1], x, -jnp.inf)
 
 
-def sample(logits: jax.Array, rows: RowSampling, step: jax.Array, mode: SamplingMode) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, rows: RowSampling, step: jax.Array, mode: SamplingMode,
+           mask: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Pick one token per row from fp32 ``logits`` [B, V].
 
-    Returns the tokens [B] and their log-probabilities under the unmodified distribution [B].
-    ``step`` (a scalar, or one per row [B]) is folded into each row's key so every position
-    draws fresh randomness. A row's token depends only on its own logits, parameters, key and
-    step, never on the other rows or on ``mode`` (as long as the mode serves the row): rows
-    without filters draw from the unsorted logits in either sampled mode.
+    Returns the tokens [B] and their log-probabilities under the unmodified distribution [B]
+    (before temperature, filters and mask, as vLLM reports them by default). ``step`` (a scalar,
+    or one per row [B]) is folded into each row's key so every position draws fresh randomness.
+    ``mask``: packed bitmasks [B, ceil(V/32)] (see :class:`TokenConstraint`); disallowed tokens
+    get -inf logits before temperature and filters (an all-ones row leaves its logits as they
+    are). A row's token depends only on its own logits, parameters, key, step and mask, never on
+    the other rows or on ``mode`` (as long as the mode serves the row): rows without filters
+    draw from the unsorted logits in either sampled mode.
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)
+    if mask is not None:
+        logits = jnp.where(unpack_mask(mask, logits.shape[-1]), logits, -jnp.inf)
     if mode is SamplingMode.GREEDY:
         tokens = jnp.argmax(logits, axis=-1)
     else:

@@ -20,6 +20,13 @@ Each :meth:`ServingEngine.step`:
    padding rows masked with no token), samples each row with its own parameters, and emits the
    tokens; finished requests free their slot and pages.
 
+Constrained requests (``submit(constraint=...)``, a ``sampling.TokenConstraint``) are asked for
+their mask at the start of every step that samples for them, before any device call (so a bad
+mask stops nothing half done), and told each token drawn; the masks are applied inside the
+compiled sampling step. A batch with no constrained row samples with the program compiled
+without masks. :meth:`ServingEngine.cancel` withdraws a request between steps;
+:meth:`ServingEngine.metrics` reports the queue, pool and counters without touching the device.
+
 A request's tokens do not depend on what else runs: every row computes the same function of its
 own inputs, sampling keys come from the request's seed and the index of the token within the
 request (never the slot or the step), and recomputation after preemption reproduces the same
@@ -37,9 +44,18 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from dayzero.engine.generate import Completion, Engine, GenerationError, check_max_new_tokens
-from dayzero.engine.paged_steps import PagedSteps, RowParams, ServingConfig, key_data, sampling_mode
+from dayzero.engine.paged_steps import PagedSteps, RowParams, Sampled, ServingConfig, key_data, sampling_mode
 from dayzero.engine.paging import PagePool, PoolExhausted, page_hashes
-from dayzero.engine.sampling import SamplingParams
+from dayzero.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenConstraint, allow_all, mask_words
+
+
+class ConstraintError(GenerationError):
+    """A request's :class:`TokenConstraint` gave an unusable mask; the request (``request_id``)
+    was cancelled and nothing else of the step ran (step again to go on)."""
+
+    def __init__(self, request_id: int, message: str):
+        super().__init__(message)
+        self.request_id = request_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +67,9 @@ class Event:
     token: int
     logprob: float
     finish_reason: str | None = None
+    # The request's top_logprobs most likely (token, logprob) at this position, most likely
+    # first (logprobs under the unmodified distribution, as ``logprob``).
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass
@@ -65,6 +84,12 @@ class ServingStats:
     preemptions: int = 0
     peak_pages: int = 0  # most pages referenced at once
     largest_chunk_scores: int = 0  # max over prefill chunks of T x attended positions
+    prompt_tokens: int = 0  # of the requests admitted (each counted once)
+    generated_tokens: int = 0  # tokens emitted
+    # Positions prefill had to provide at each admission (the prompt; after a preemption also the
+    # tokens generated before it), cached_tokens of them from the prefix cache.
+    lookup_tokens: int = 0
+    cancelled: int = 0  # requests withdrawn by ``cancel``
 
 
 @dataclasses.dataclass
@@ -77,6 +102,8 @@ class _Request:
     want_logprobs: bool
     tokens: list[int]  # prompt then generated tokens
     key: np.ndarray  # the sampling PRNG key's words, from the seed
+    top_logprobs: int = 0  # most likely alternatives reported per token
+    constraint: TokenConstraint | None = None
     logprobs: list[float] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)  # the block table
     hashes: list[bytes] = dataclasses.field(default_factory=list)  # of the full pages of tokens
@@ -134,26 +161,40 @@ class ServingEngine:
         self._slots: list[_Request | None] = [None] * self.config.slots
         self._finished: dict[int, _Request] = {}
         self._admissions = itertools.count()
+        self._cancelled: set[int] = set()  # withdrawn during the step ``stream`` is handing out
 
     # ---- API -----------------------------------------------------------------------------------
 
     def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), chat: bool = False, ignore_eos: bool = False,
-               logprobs: bool = False) -> int:
+               logprobs: bool = False, top_logprobs: int = 0, constraint: TokenConstraint | None = None) -> int:
         """Queue one request (text or token ids); returns its id. Validation as ``Engine.generate``,
-        plus the serving limits (``max_context``)."""
-        return self._enqueue(self._request(prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs))
+        plus the serving limits (``max_context``).
+
+        ``top_logprobs`` (0..20): each of its Events carries that many most likely tokens with
+        their logprobs. ``constraint``: restricts every token it generates (see the module
+        docstring); the request stops ("stop") once ``constraint.is_terminated()``.
+        """
+        return self._enqueue(self._request(prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs,
+                                           top_logprobs, constraint))
 
     def _enqueue(self, request: _Request) -> int:
         """Queue a validated request; returns the id it is known by here."""
         self._waiting.append(request)
         return request.id
 
-    def _request(self, prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs) -> _Request:
+    def _request(self, prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs, top_logprobs=0,
+                 constraint=None) -> _Request:
         """A validated request (raises :class:`GenerationError` naming the bad value)."""
         check_max_new_tokens(max_new_tokens)
         if not isinstance(sampling, SamplingParams):
             raise GenerationError(f"sampling={sampling!r} is not a SamplingParams")
+        if not (isinstance(top_logprobs, int) and 0 <= top_logprobs <= MAX_TOP_LOGPROBS):
+            raise GenerationError(f"top_logprobs={top_logprobs!r} is invalid; it must be an integer in "
+                                  f"[0, {MAX_TOP_LOGPROBS}]")
+        if constraint is not None and not isinstance(constraint, TokenConstraint):
+            raise GenerationError(f"constraint={constraint!r} is not a TokenConstraint (it needs next_mask, "
+                                  "accept and is_terminated)")
         ids = self.engine.prompt_ids(prompt, chat)
         self.engine.check_length(ids, max_new_tokens)
         if len(ids) + max_new_tokens > self.config.max_context:
@@ -162,7 +203,7 @@ class ServingEngine:
                 f"this server's max_context of {self.config.max_context}; shorten the request or "
                 "raise max_context")
         return _Request(next(self._ids), list(ids), max_new_tokens, sampling, ignore_eos, logprobs, list(ids),
-                        key_data(sampling.seed))
+                        key_data(sampling.seed), top_logprobs, constraint)
 
     @property
     def has_work(self) -> bool:
@@ -175,7 +216,9 @@ class ServingEngine:
         Requests submitted while iterating join the running batch.
         """
         while self.has_work:
-            yield from self.step()
+            self._cancelled = set()
+            # A request cancelled while this step's events are handed out gets none of the rest.
+            yield from (e for e in self.step() if e.request_id not in self._cancelled)
 
     def completion(self, request_id: int) -> Completion:
         """The finished request ``request_id``, handed over once (the server then forgets it).
@@ -211,24 +254,69 @@ class ServingEngine:
         """Bytes of the page pool(s) this engine allocated (every replica's)."""
         return sum(r.steps.kv_bytes for r in self.replicas)
 
-    def warmup(self) -> int:
+    def warmup(self, constrained: bool = False, top_logprobs: bool = False) -> int:
         """Compile every step shape up front (after it, serving compiles nothing); returns the
-        number of shapes."""
-        return self.steps.warmup()
+        number of shapes. ``constrained`` / ``top_logprobs``: also the sampling variants with
+        token masks / with top logprobs (else compiled when a batch first needs them)."""
+        return sum(r.steps.warmup(constrained, top_logprobs) for r in self.replicas)
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop request ``request_id`` now: it produces no further Event (``stream`` drops the
+        rest of the step being handed out), its slot and pages go back to the pool (its full
+        pages stay in the prefix cache) and it is forgotten (no ``completion``). True if it was
+        queued or running, False if unknown or already finished. Call it between steps."""
+        if not self._withdraw(request_id):
+            return False
+        self._cancelled.add(request_id)
+        return True
+
+    def _withdraw(self, request_id: int) -> bool:
+        """Remove request ``request_id`` from the queue or its slot (freeing its pages)."""
+        for r in self._waiting:
+            if r.id == request_id:
+                self._waiting.remove(r)
+                break
+        else:
+            r = next((r for r in self._running() if r.id == request_id), None)
+            if r is None:
+                return False
+            self._free(r)
+        self.stats.cancelled += 1
+        return True
+
+    def metrics(self) -> dict:
+        """Gauges and counters for monitoring (host bookkeeping only, no device sync): requests
+        ``waiting`` (queued) and ``running``, ``pages_used`` / ``pages_free`` (free or evictable
+        cached), ``prefix_cache_hit_rate`` (of the positions prefill had to provide, the share
+        found in the prefix cache), and cumulative ``preemptions``, ``prompt_tokens`` and
+        ``generated_tokens`` (over every replica)."""
+        stats, engines = self.stats, self.replicas
+        return dict(
+            waiting=sum(len(e._waiting) for e in engines), running=sum(len(e._running()) for e in engines),
+            pages_used=sum(e.pool.in_use for e in engines), pages_free=sum(e.pool.available for e in engines),
+            prefix_cache_hit_rate=stats.cached_tokens / stats.lookup_tokens if stats.lookup_tokens else 0.0,
+            preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
+            generated_tokens=stats.generated_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[Event]:
-        """Admit, allocate, run one prefill chunk and one decode step; the tokens produced."""
+        """Admit, allocate, run one prefill chunk and one decode step; the tokens produced.
+
+        Raises :class:`ConstraintError` (before any device call) if a constrained request's mask
+        is unusable; that request is cancelled and the engine can step on.
+        """
         self._admit()
         decoding = self._grow_decoding()
         events = []
         self.stats.peak_pages = max(self.stats.peak_pages, self.pool.in_use)
         prefill = min((r for r in self._running() if r.prefilling), key=lambda r: r.admitted, default=None)
+        samples_prefill = prefill is not None and prefill.computed + self._chunk(prefill)[2] >= len(prefill.tokens)
+        masks = self._masks(([prefill] if samples_prefill else []) + decoding)
         if prefill is not None:
-            events += self._prefill_chunk(prefill)
+            events += self._prefill_chunk(prefill, masks)
         if decoding:
-            events += self._decode(decoding)
+            events += self._decode(decoding, masks)
         return events
 
     def _running(self) -> list[_Request]:
@@ -251,6 +339,9 @@ class ServingEngine:
             r.registered = len(matched)
             r.computed = len(matched) * self.config.page_size
             self.stats.cached_tokens += r.computed
+            self.stats.lookup_tokens += r.prefill_target
+            if r.admitted < 0:  # first admission (not a readmission after preemption)
+                self.stats.prompt_tokens += len(r.prompt)
             r.admitted = next(self._admissions)
             r.slot = self._slots.index(None)
             self._slots[r.slot] = r
@@ -289,10 +380,14 @@ class ServingEngine:
             tables[row, : len(r.pages)] = r.pages
         return tables
 
-    def _prefill_chunk(self, r: _Request) -> list[Event]:
+    def _chunk(self, r: _Request) -> tuple[int, int | None, int]:
+        """(T, W, real tokens) of ``r``'s next prefill chunk."""
+        T, W = self.config.chunk_shape(r.computed, r.prefill_target - r.computed)
+        return T, W, min(T, r.prefill_target - r.computed)
+
+    def _prefill_chunk(self, r: _Request, masks: dict[int, np.ndarray]) -> list[Event]:
         start = r.computed
-        T, W = self.config.chunk_shape(start, r.prefill_target - start)
-        n = min(T, r.prefill_target - start)
+        T, W, n = self._chunk(r)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = r.tokens[start : start + n]
         logits = self.steps.run_step(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W)
@@ -302,11 +397,9 @@ class ServingEngine:
         self.stats.largest_chunk_scores = max(self.stats.largest_chunk_scores, T * (T + (W or 0) * self.config.page_size))
         if r.computed < len(r.tokens):  # more prompt to go, or a recomputed request decodes next
             return []
-        rows = RowParams.of([r.params], [r.key], 1)
-        token, logprob = self.steps.sample(logits, rows, np.array([r.generated]), sampling_mode([r.params]))
-        return [self._emit(r, int(token[0]), float(logprob[0]))]
+        return self._sample([r], logits, 1, masks)
 
-    def _decode(self, decoding: list[_Request]) -> list[Event]:
+    def _decode(self, decoding: list[_Request], masks: dict[int, np.ndarray]) -> list[Event]:
         """One token for every decoding request: their rows packed into the smallest decode batch
         (padding rows carry no token), so a step costs what its requests need, not all slots."""
         B = self.config.decode_batch(len(decoding))
@@ -317,11 +410,49 @@ class ServingEngine:
         logits = self.steps.run_step(tokens[:, None], num_new, lengths, self._tables(decoding, B), width)
         for r in decoding:
             self._written(r, 1)
-        rows = RowParams.of([r.params for r in decoding], [r.key for r in decoding], B)
-        out_tokens, out_logprobs = self.steps.sample(logits, rows, steps, sampling_mode([r.params for r in decoding]))
         self.stats.decode_steps += 1
         self.stats.decode_tokens += len(decoding)
-        return [self._emit(r, int(out_tokens[row]), float(out_logprobs[row])) for row, r in enumerate(decoding)]
+        return self._sample(decoding, logits, B, masks)
+
+    def _sample(self, requests: list[_Request], logits, B: int, masks: dict[int, np.ndarray]) -> list[Event]:
+        """Sample the next token of each of ``requests`` (the first rows of ``logits`` [B, V]),
+        each with its own parameters, key, token index and mask (from ``masks``, by request id:
+        a batch with none runs the unmasked program), and emit them."""
+        params = [r.params for r in requests]
+        steps = np.zeros(B, np.int32)
+        steps[: len(requests)] = [r.generated for r in requests]
+        rows = RowParams.of(params, [r.key for r in requests], B)
+        packed = None
+        if any(r.id in masks for r in requests):
+            packed = np.tile(allow_all(self.engine.config.vocab_size), (B, 1))
+            for row, r in enumerate(requests):
+                if r.id in masks:
+                    packed[row] = masks[r.id]
+        top = self.steps.top_width(max(r.top_logprobs for r in requests))
+        out = self.steps.sample(logits, rows, steps, sampling_mode(params), packed, top)
+        return [self._emit(r, out, row) for row, r in enumerate(requests)]
+
+    def _masks(self, requests: list[_Request]) -> dict[int, np.ndarray]:
+        """The next-token masks of the constrained ``requests`` (by request id), checked: a
+        request whose mask is unusable is cancelled and :class:`ConstraintError` raised."""
+        V = self.engine.config.vocab_size
+        masks = {}
+        for r in requests:
+            if r.constraint is None:
+                continue
+            mask = np.asarray(r.constraint.next_mask())
+            problem = None
+            if mask.dtype not in (np.uint32, np.int32) or mask.size != mask_words(V):
+                problem = (f"a mask of shape {mask.shape} and dtype {mask.dtype}; it must be uint32 or int32 "
+                           f"[{mask_words(V)}] (ceil(vocab_size / 32), vocab_size={V})")
+            elif not np.unpackbits(mask.reshape(-1).view(np.uint8), bitorder="little")[:V].any():
+                problem = "a mask that allows no token"
+            if problem is not None:
+                self.cancel(r.id)
+                raise ConstraintError(r.id, f"the constraint of request {r.id} gave {problem}; the request "
+                                            "was cancelled")
+            masks[r.id] = mask.reshape(-1).view(np.uint32)
+        return masks
 
     # ---- bookkeeping ---------------------------------------------------------------------------
 
@@ -337,20 +468,36 @@ class ServingEngine:
                 self.pool.register(r.pages[i], r.hashes[i])
             r.registered = full
 
-    def _emit(self, r: _Request, token: int, logprob: float) -> Event:
+    def _emit(self, r: _Request, out: Sampled, row: int) -> Event:
+        """Append row ``row`` of ``out`` to ``r`` (telling its constraint), finish ``r`` if that
+        ends it; its Event."""
+        token, logprob = int(out.tokens[row]), float(out.logprobs[row])
         r.tokens.append(token)
         r.logprobs.append(logprob)
+        self.stats.generated_tokens += 1
+        if r.constraint is not None:
+            r.constraint.accept(token)
         if not r.ignore_eos and token in self.engine.eos_ids:
+            r.finish_reason = "stop"
+        elif r.constraint is not None and r.constraint.is_terminated():
             r.finish_reason = "stop"
         elif r.generated >= r.max_new_tokens:
             r.finish_reason = "length"
         if r.finish_reason is not None:
-            self.pool.release(r.pages)
-            r.pages = []
-            self._slots[r.slot] = None
-            r.slot = None
+            self._free(r)
             self._finished[r.id] = r
-        return Event(r.id, token, logprob, r.finish_reason)
+        top = ()
+        if r.top_logprobs:
+            top = tuple((int(t), float(v)) for t, v in zip(out.top_ids[row, : r.top_logprobs],
+                                                           out.top_logprobs[row, : r.top_logprobs]))
+        return Event(r.id, token, logprob, r.finish_reason, top)
+
+    def _free(self, r: _Request) -> None:
+        """Give ``r``'s pages and slot back (its registered full pages stay in the prefix cache)."""
+        self.pool.release(r.pages)
+        r.pages = []
+        self._slots[r.slot] = None
+        r.slot = None
 
 
 def stream_on_pages(engine: Engine, ids: list[list[int]], max_new_tokens: int,

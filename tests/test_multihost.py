@@ -123,7 +123,7 @@ def test_failing_process_exit_code_is_propagated(tmp_path):
 
 @pytest.mark.parametrize("args, fragment", [
     (["--processes", "2", "--devices-per-process", "1"], "needs a dayzero command"),
-    (["--processes", "2", "--devices-per-process", "1", "--", "serve"], "'serve'"),
+    (["--processes", "2", "--devices-per-process", "1", "--", "frobnicate"], "'frobnicate'"),
     (["--processes", "2", "--devices-per-process", "1", "--", "generate", "--coordinator", "h:1"], "--coordinator"),
     (["--processes", "0", "--devices-per-process", "1", "--", "check", "x"], "--processes 0"),
 ])

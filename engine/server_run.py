@@ -1,0 +1,98 @@
+"""Starting ``dayzero serve``: load the engine as ``generate`` does, compile, listen, stop cleanly."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import socket
+import sys
+import time
+
+import uvicorn
+
+
+class ServeError(ValueError):
+    """A ``dayzero serve`` setting that cannot work (a busy port, a multi-process run)."""
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn's server, except that a SIGINT/SIGTERM ends it with exit status 0: uvicorn
+    re-raises a captured signal after its graceful shutdown (the process would then die of it);
+    here the signal has done its job once the server has drained. ``on_signal`` runs first (the
+    app stops admitting)."""
+
+    on_signal = staticmethod(lambda: None)
+
+    def handle_exit(self, sig, frame) -> None:
+        self.on_signal()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A bound socket (``port`` 0: a free one, which the announced URL names)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServeError(f"cannot listen on {host}:{port} ({e.strerror}); pass another --port or --host") from None
+    sock.listen(2048)
+    return sock
+
+
+def serving_config(args: argparse.Namespace):
+    """The ``ServingConfig`` the serve options ask for (defaults: the engine's)."""
+    from dayzero.engine.paged_steps import ServingConfig
+
+    given = {"slots": args.slots, "page_size": args.page_size, "num_pages": args.num_pages,
+             "max_context": args.max_context, "max_chunk": args.max_chunk}
+    config = ServingConfig(**{k: v for k, v in given.items() if v is not None}, prefix_cache=not args.no_prefix_cache)
+    return config
+
+
+def run_serve(args: argparse.Namespace, placement) -> int:
+    """``dayzero serve``: returns the exit status (0 after a signal's graceful stop)."""
+    from dayzero.engine.generate import Engine
+    from dayzero.engine.runtime import options_from_args
+    from dayzero.engine.server import ServerOptions, announce, create_app
+    from dayzero.engine.serving import ServingEngine
+
+    if (args.num_processes or 1) > 1:
+        raise ServeError("serve runs in one process for now (multi-host serving is not built yet); "
+                         "drop --num-processes, or use --mesh over this process's devices")
+    sock = _listen(args.host, args.port)  # before loading and compiling: a busy port fails fast
+    engine = Engine.load(args.model, placement=placement, **options_from_args(args))
+    serving = ServingEngine(engine, serving_config(args))
+    name = args.served_model_name or (args.model or "smollm2-135m-instruct")
+    start = time.perf_counter()
+    grammars = _grammars(engine)
+    # Every variant a request can ask for: masks (structured output) and top logprobs too.
+    shapes = 0 if args.no_warmup else serving.warmup(constrained=grammars is not None, top_logprobs=True)
+    print(f"dayzero: compiled {shapes} step shapes in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    host, port = sock.getsockname()[:2]
+    url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    options = ServerOptions(model_name=name, max_queue=args.max_queue, grammars=grammars,
+                            on_ready=lambda: announce(url, name))
+    app = create_app(serving, options)
+    server = _Uvicorn(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout,
+                                     access_log=args.log_level == "debug"))
+    server.on_signal = lambda: setattr(app.state.server, "draining", True)
+    server.run(sockets=[sock])
+    return 0
+
+
+def _grammars(engine):
+    """The structured-output compiler over the engine's tokenizer (None without one)."""
+    if engine.tokenizer is None:
+        return None
+    from dayzero.engine.grammar import Grammars
+
+    return Grammars(engine.tokenizer, engine.config.vocab_size, engine.eos_ids)
