@@ -70,6 +70,7 @@ def test_the_exchange_is_chosen_in_one_place():
         resolve_exchange("ragged")
 
 
+@pytest.mark.slow  # ~40 s on CPU, where it repeats the dense check; bench/gpu_check.sh runs it on a GPU
 def test_platform_exchange_on_one_device_matches_the_block():
     """The platform's exchange on a one-device expert mesh against ``moe.moe``: on a GPU (one
     device: bench/gpu_check.sh) that is ragged_all_to_all compiled and run, over one participant;
