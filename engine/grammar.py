@@ -37,10 +37,12 @@ def _short(message: str) -> str:
 class GrammarConstraint:
     """One request's grammar state (the engine's ``TokenConstraint``)."""
 
-    def __init__(self, matcher, vocab_size: int, matcher_vocab: int | None = None):
-        """``matcher``: a fresh ``llguidance.LLMatcher`` over a ``matcher_vocab``-token
+    def __init__(self, matcher, grammar: str, vocab_size: int, matcher_vocab: int | None = None):
+        """``matcher``: a fresh ``llguidance.LLMatcher`` of ``grammar`` (its text, kept so that
+        other processes can build the same constraint) over a ``matcher_vocab``-token
         ``LLTokenizer`` (default ``vocab_size``); masks cover the model's ``vocab_size`` tokens."""
         self._matcher = matcher
+        self.grammar = grammar
         self._words = mask_words(vocab_size)
         # llguidance.numpy's 2-D int32 layout, as wide as the matcher's vocabulary (it may be the larger)
         self._bitmask = np.zeros((1, mask_words(max(vocab_size, matcher_vocab or 0))), np.int32)
@@ -95,10 +97,17 @@ class Grammars:
                 grammar = LLMatcher.grammar_from_json_schema(fmt.json_schema.schema_, overrides=_SCHEMA_OPTIONS)
             except ValueError as e:  # llguidance refuses a schema that is not a JSON object
                 raise _schema_error(str(e)) from None
+        return self.from_grammar(grammar)
+
+    def from_grammar(self, grammar: str) -> GrammarConstraint:
+        """A fresh constraint for llguidance ``grammar`` text (a constraint's ``grammar``); a
+        grammar llguidance cannot compile answers 400."""
+        from llguidance import LLMatcher
+
         matcher = LLMatcher(self._tokenizer, grammar, log_level=0)  # never raises: a bad schema leaves an error state
         if matcher.is_error():
             raise _schema_error(matcher.get_error())
-        return GrammarConstraint(matcher, self.vocab_size, self._matcher_vocab)
+        return GrammarConstraint(matcher, grammar, self.vocab_size, self._matcher_vocab)
 
 
 def _schema_error(message: str) -> APIError:

@@ -128,6 +128,8 @@ def launch_local(command: list[str], processes: int, devices_per_process: int, k
     """
     if command and command[0] == "--":
         command = command[1:]
+    if command and command[0] == "dayzero":  # "-- dayzero serve ..." reads naturally; the same command
+        command = command[1:]
     check_command(command, known)
     if processes < 1 or devices_per_process < 1:
         raise LaunchError(f"--processes {processes} and --devices-per-process {devices_per_process} must be >= 1")

@@ -109,7 +109,9 @@ class StepLoop:
     """Drives a ``ServingEngine`` from one thread; submissions and cancellations from any thread.
 
     ``capacity``: most engine requests outstanding at once (running + queued); ``reserve``
-    refuses more (the server answers 429).
+    refuses more (the server answers 429). A ``serving`` with ``idle()`` and ``close()`` (the
+    multi-process leader, ``server_mirror.LeaderServing``) has them called while no request runs
+    and once the loop ends.
     """
 
     def __init__(self, serving, tokenizer: Tokenizer | None, metrics: ServerMetrics | None, capacity: int):
@@ -181,12 +183,16 @@ class StepLoop:
                     self._fail(rid, f"the engine failed: {type(e).__name__}: {e}")
         for live in list(self._live.values()):
             self._end(live, "cancelled", cancel=True)
+        if hasattr(self.serving, "close"):
+            self.serving.close()
 
     def _iterate(self) -> None:
         """Take in what the handlers sent, then run one step (or wait briefly for work)."""
         self._drain()
         if not self.serving.has_work:
             self._snapshot = self._engine_metrics()
+            if hasattr(self.serving, "idle"):
+                self.serving.idle()
             self._wake.wait(0.05)
             self._wake.clear()
             return

@@ -1,4 +1,7 @@
-"""Starting ``dayzero serve``: load the engine as ``generate`` does, compile, listen, stop cleanly."""
+"""Starting ``dayzero serve``: load the engine as ``generate`` does, compile, listen, stop cleanly.
+
+In a multi-process run every process loads and compiles; process 0 serves HTTP and the others
+follow its steps (``server_mirror``)."""
 
 from __future__ import annotations
 
@@ -8,11 +11,12 @@ import socket
 import sys
 import time
 
+import jax
 import uvicorn
 
 
 class ServeError(ValueError):
-    """A ``dayzero serve`` setting that cannot work (a busy port, a multi-process run)."""
+    """A ``dayzero serve`` setting that cannot work (a busy port)."""
 
 
 class _Uvicorn(uvicorn.Server):
@@ -60,23 +64,20 @@ def serving_config(args: argparse.Namespace):
 
 def run_serve(args: argparse.Namespace, placement) -> int:
     """``dayzero serve``: returns the exit status (0 after a signal's graceful stop)."""
-    from dayzero.engine.generate import Engine
-    from dayzero.engine.runtime import options_from_args
     from dayzero.engine.server import ServerOptions, announce, create_app
-    from dayzero.engine.serving import ServingEngine
+    from dayzero.engine.server_mirror import LeaderServing, follow
 
-    if (args.num_processes or 1) > 1:
-        raise ServeError("serve runs in one process for now (multi-host serving is not built yet); "
-                         "drop --num-processes, or use --mesh over this process's devices")
-    sock = _listen(args.host, args.port)  # before loading and compiling: a busy port fails fast
-    engine = Engine.load(args.model, placement=placement, **options_from_args(args))
-    serving = ServingEngine(engine, serving_config(args))
+    leader = jax.process_index() == 0
+    # Only process 0 listens; before loading and compiling, so a busy port fails fast.
+    sock = _listen(args.host, args.port) if leader else None
+    serving, grammars = _compiled_engine(args, placement)
+    if jax.process_count() > 1:
+        if not leader:
+            steps = follow(serving, grammars)
+            print(f"dayzero: serve: process {jax.process_index()} ran {steps} steps with process 0", file=sys.stderr)
+            return 0
+        serving = LeaderServing(serving)
     name = args.served_model_name or (args.model or "smollm2-135m-instruct")
-    start = time.perf_counter()
-    grammars = _grammars(engine)
-    # Every variant a request can ask for: masks (structured output) and top logprobs too.
-    shapes = 0 if args.no_warmup else serving.warmup(constrained=grammars is not None, top_logprobs=True)
-    print(f"dayzero: compiled {shapes} step shapes in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     host, port = sock.getsockname()[:2]
     url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
     options = ServerOptions(model_name=name, max_queue=args.max_queue, grammars=grammars,
@@ -87,6 +88,23 @@ def run_serve(args: argparse.Namespace, placement) -> int:
     server.on_signal = lambda: setattr(app.state.server, "draining", True)
     server.run(sockets=[sock])
     return 0
+
+
+def _compiled_engine(args: argparse.Namespace, placement):
+    """The serving engine (loaded as ``generate`` loads, every step shape compiled unless
+    ``--no-warmup``) and its structured-output compiler (None without a tokenizer)."""
+    from dayzero.engine.generate import Engine
+    from dayzero.engine.runtime import options_from_args
+    from dayzero.engine.serving import ServingEngine
+
+    engine = Engine.load(args.model, placement=placement, **options_from_args(args))
+    serving = ServingEngine(engine, serving_config(args))
+    start = time.perf_counter()
+    grammars = _grammars(engine)
+    # Every variant a request can ask for: masks (structured output) and top logprobs too.
+    shapes = 0 if args.no_warmup else serving.warmup(constrained=grammars is not None, top_logprobs=True)
+    print(f"dayzero: compiled {shapes} step shapes in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return serving, grammars
 
 
 def _grammars(engine):

@@ -30,9 +30,10 @@ MODEL = "tiny"
 SLOTS, MAX_QUEUE, CONTEXT = 4, 28, 128  # capacity: 32 requests outstanding, then 429
 
 
-def start_server(args: list[str], timeout: float = 300.0) -> SimpleNamespace:
-    """``dayzero serve ARGS --port 0`` in a subprocess; returns once it announced its URL."""
-    cmd = [sys.executable, "-m", "dayzero.engine.cli", "serve", "--port", "0", *args]
+def start_server(args: list[str], timeout: float = 300.0, launch: tuple[str, ...] = ()) -> SimpleNamespace:
+    """``dayzero [LAUNCH] serve ARGS --port 0`` in a subprocess; returns once it announced its URL
+    (``launch``: e.g. ``launch-local ... --``, to serve from several processes)."""
+    cmd = [sys.executable, "-m", "dayzero.engine.cli", *launch, "serve", "--port", "0", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     selector = selectors.DefaultSelector()
