@@ -23,6 +23,7 @@ KV_CACHE = "auto|none|int8|fp8"
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exception types that mean bad input, not a bug (imported lazily: jax is slow to import)."""
     from dayzero.convert import ConvertError
+    from dayzero.engine.compile_cache import CompileCacheError
     from dayzero.tools.bench import BenchError
     from dayzero.convert.check import CheckError
     from dayzero.engine.default_model import DefaultModelError
@@ -42,7 +43,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (
         ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
-        QuantError, RunConfigError, ServeError,
+        QuantError, RunConfigError, ServeError, CompileCacheError,
         BenchError, PeerError, PlotError, SoakError,
         VerifyError, CheckError, LaunchError, PlanError,
     )
@@ -68,6 +69,12 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="quantize a float model's weights at load (auto: the platform's fastest, fp32 on CPU)")
     p.add_argument("--kv-cache", metavar=KV_CACHE, default="auto",
                    help="KV-cache storage (auto: the platform's fastest, fp32 on CPU)")
+
+
+def _add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile-cache", metavar="DIR|off",
+                   help="persistent compilation cache (default: $DAYZERO_COMPILE_CACHE, else under the dayzero "
+                        "cache directory; off: compile every time)")
 
 
 def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
@@ -122,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_quant_args(g)
     _add_mesh_arg(g)
+    _add_compile_cache_arg(g)
     _add_process_args(g)
 
     b = sub.add_parser("bench", help="measure time to first token, prefill and decode speed, memory")
@@ -139,6 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     _add_quant_args(b)
     _add_mesh_arg(b)
+    _add_compile_cache_arg(b)
     _add_process_args(b)
 
     v = sub.add_parser("verify", help="compare a conversion with HF transformers on the original, layer by layer")
@@ -153,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--min-top1", type=float, default=1.0, help="smallest allowed top-1 agreement fraction")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     _add_mesh_arg(v)
+    _add_compile_cache_arg(v)
     _add_process_args(v)
 
     k = sub.add_parser("check", help="validate a checkpoint's files, tensors and values before converting")
@@ -215,6 +225,7 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
     _add_quant_args(s)
     _add_mesh_arg(s)
+    _add_compile_cache_arg(s)
     _add_process_args(s)
 
 
@@ -263,6 +274,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = result.to_json()
         out["kernels"] = kernels_record(engine.run)
         out["run"] = engine.run.describe()
+        out["compile_s"] = round(engine.compile_s, 3)  # this run's step compiles (a cache hit is a read)
         print(json.dumps(out))
     else:
         print()
@@ -338,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _start_processes(args)
+        if hasattr(args, "compile_cache"):
+            from dayzero.engine.compile_cache import enable
+
+            enable(args.compile_cache)
         return COMMANDS[args.command](args)
     except (CommandError, MeshError) as e:
         print(f"dayzero: error: {e}", file=sys.stderr)

@@ -35,7 +35,7 @@ def default_gguf_path() -> Path:
 
 
 def cache_root() -> Path:
-    """Where converted default models live."""
+    """The dayzero cache directory: converted default models, compiled executables."""
     return Path(os.environ.get("DAYZERO_CACHE", Path.home() / ".cache" / "dayzero"))
 
 

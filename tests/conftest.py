@@ -7,10 +7,16 @@ import this file. Nothing here is autouse: modules that do not ask for a fixture
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+# The suite compiles from scratch, and writes no persistent compilation cache entries (commands the
+# tests run in-process would otherwise turn the cache on for the rest of the worker); the tests of
+# the cache pass --compile-cache themselves (engine/compile_cache.py).
+os.environ.setdefault("DAYZERO_COMPILE_CACHE", "off")
 
 # A small but non-degenerate decoder: 4 query heads over 2 kv heads, 2 layers.
 # initializer_range=0.1 makes the logits O(1), so an absolute comparison of them means something
