@@ -8,6 +8,12 @@ default). A query sees key s when s < kv_length, and with ``causal`` when s <= i
 with a sliding ``window`` when position - s < window. Rows with no visible key give zeros.
 Query head n reads kv head n // (N/K).
 
+``sinks`` (float32 [N], gpt-oss's attention sinks; None for none) gives each query head one more
+logit in its softmax's denominator, a key that is always visible and has value zero:
+p_s = exp(l_s) / (exp(sinks[n]) + sum_k exp(l_k)), as HF's ``eager_attention_forward`` for
+gpt_oss computes it (the sink is not scaled by ``sm_scale``). A row with no visible key still
+gives zeros (the sink takes all the weight).
+
 The kernel runs one program per (row, query head, block of queries) and walks the key blocks
 that can be visible to that block (bounded by causality, the window and kv_length) with an
 online softmax, so memory stays linear in the sequence length: no [T,S] score matrix exists.
@@ -61,7 +67,7 @@ def flash_blocks(head_dim: int, interpret: bool) -> FlashBlocks:
     return FLASH_BLOCKS_LARGE_HEAD
 
 
-def validate_flash_attention(q, k, v, q_offsets, kv_lengths, sm_scale, window) -> float:
+def validate_flash_attention(q, k, v, q_offsets, kv_lengths, sm_scale, window, sinks=None) -> float:
     """Check shapes and dtypes (raising :class:`KernelError` naming the bad one); return the
     softmax scale to use (1/sqrt(H) when ``sm_scale`` is None)."""
     tiles.check_rank(OP, "q", q, 4, "[B,T,N,H]")
@@ -82,6 +88,7 @@ def validate_flash_attention(q, k, v, q_offsets, kv_lengths, sm_scale, window) -
         if x is not None:
             tiles.check_int_vector(OP, name, x, B)
     tiles.check_window(OP, window)
+    tiles.check_sinks(OP, sinks, N)
     if sm_scale is None:
         return H**-0.5
     tiles.check_scale(OP, sm_scale)
@@ -110,10 +117,10 @@ def visible_keys(q_pos: jax.Array, k_pos: jax.Array, kv_lengths: jax.Array, caus
 
 
 def flash_attention_reference(q, k, v, *, causal=True, q_offsets=None, kv_lengths=None,
-                              sm_scale=None, window=None):
+                              sm_scale=None, window=None, sinks=None):
     """Pure-jnp attention with the same contract as :func:`flash_attention`: builds the full
     [T,S] scores, softmax in fp32, output in q's dtype."""
-    sm_scale = validate_flash_attention(q, k, v, q_offsets, kv_lengths, sm_scale, window)
+    sm_scale = validate_flash_attention(q, k, v, q_offsets, kv_lengths, sm_scale, window, sinks)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     q_offsets, kv_lengths = _defaults(q_offsets, kv_lengths, B, S)
@@ -125,7 +132,8 @@ def flash_attention_reference(q, k, v, *, causal=True, q_offsets=None, kv_length
     k, v = (jnp.where(real, v, 0),) * 2 if k is v else (k, jnp.where(real, v, 0))
     qg = q.reshape(B, T, K, N // K, H)
     scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
-    probs = tiles.masked_softmax(scores, mask[:, None, None])
+    head_sinks = None if sinks is None else sinks.reshape(K, N // K)[None, :, :, None]  # [1,K,G,1]
+    probs = tiles.masked_softmax(scores, mask[:, None, None], head_sinks)
     # Output [B,K,G,T,H] then moved: asking the product for [B,T,K,G,H] directly makes XLA CPU
     # transpose all of v instead (measured 3-8x slower for decode and prefill shapes).
     out = jnp.einsum("bkgts,bskh->bkgth", probs, v.astype(jnp.float32)).transpose(0, 3, 1, 2, 4)
@@ -145,9 +153,11 @@ def _key_block_range(q_offset, kv_len, i, block_q: int, block_k: int, causal: bo
     return lo, jnp.maximum(hi, lo)
 
 
-def _flash_kernel(q_offsets_ref, kv_lengths_ref, q_ref, k_ref, v_ref, o_ref, *, causal: bool,
-                  window, sm_scale: float, block_q: int, block_k: int, parts: tiles.Parts):
-    """One (row b, query head n, query block i): q_ref [block_q,H], k_ref/v_ref [S_pad,H]."""
+def _flash_kernel(q_offsets_ref, kv_lengths_ref, q_ref, k_ref, v_ref, *refs, causal: bool,
+                  window, sm_scale: float, block_q: int, block_k: int, parts: tiles.Parts, with_sinks: bool):
+    """One (row b, query head n, query block i): q_ref [block_q,H], k_ref/v_ref [S_pad,H], then
+    sinks_ref [N] when ``with_sinks``, then o_ref [block_q,H]."""
+    sinks_ref, o_ref = refs if with_sinks else (None, *refs)
     b, i = pl.program_id(0), pl.program_id(2)
     q_offset, kv_len = q_offsets_ref[b], kv_lengths_ref[b]
     q_pos = q_offset + i * block_q + jnp.arange(block_q)
@@ -166,15 +176,17 @@ def _flash_kernel(q_offsets_ref, kv_lengths_ref, q_ref, k_ref, v_ref, o_ref, *, 
 
     lo, hi = _key_block_range(q_offset, kv_len, i, block_q, block_k, causal, window)
     state = jax.lax.fori_loop(lo, hi, visit, tiles.softmax_init(block_q, parts))
+    if with_sinks:
+        state = tiles.fold_sink(state, sinks_ref[pl.program_id(1)])
     tiles.store_parts(o_ref, tiles.softmax_finish(state), parts)
 
 
 def flash_attention_pallas(q, k, v, *, causal=True, q_offsets=None, kv_lengths=None, sm_scale=None,
-                           window=None, interpret=False, blocks: FlashBlocks | None = None):
+                           window=None, sinks=None, interpret=False, blocks: FlashBlocks | None = None):
     """The Pallas kernel behind :func:`flash_attention` (``interpret`` runs it as XLA ops on any
     platform). ``blocks`` overrides the tile table. T and S are padded to whole blocks (a copy
     only when they are not multiples already); padded keys are masked by kv_lengths."""
-    sm_scale = validate_flash_attention(q, k, v, q_offsets, kv_lengths, sm_scale, window)
+    sm_scale = validate_flash_attention(q, k, v, q_offsets, kv_lengths, sm_scale, window, sinks)
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
     G = N // K
@@ -184,26 +196,30 @@ def flash_attention_pallas(q, k, v, *, causal=True, q_offsets=None, kv_lengths=N
     qp = tiles.pad_axis(q, 1, tiles.round_up(T, bq))
     kp, vp = (tiles.pad_axis(x, 1, tiles.round_up(S, bk)) for x in (k, v))
     kernel = functools.partial(_flash_kernel, causal=causal, window=window, sm_scale=sm_scale,
-                               block_q=bq, block_k=bk, parts=tiles.pow2_parts(H))
+                               block_q=bq, block_k=bk, parts=tiles.pow2_parts(H), with_sinks=sinks is not None)
     row_spec = pl.BlockSpec((B,), lambda b, n, i: (0,))
     q_spec = pl.BlockSpec((None, bq, None, H), lambda b, n, i: (b, i, n, 0))
     kv_spec = pl.BlockSpec((None, kp.shape[1], None, H), lambda b, n, i: (b, 0, n // G, 0))
+    in_specs, operands = [row_spec, row_spec, q_spec, kv_spec, kv_spec], [q_offsets, kv_lengths, qp, kp, vp]
+    if sinks is not None:  # every program sees all N sinks and reads its head's
+        in_specs.append(pl.BlockSpec((N,), lambda b, n, i: (0,)))
+        operands.append(sinks)
     out = pl.pallas_call(
         kernel,
         grid=(B, N, qp.shape[1] // bq),
-        in_specs=[row_spec, row_spec, q_spec, kv_spec, kv_spec],
+        in_specs=in_specs,
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         interpret=interpret,
         name="dayzero_flash_attention",
-    )(q_offsets, kv_lengths, qp, kp, vp)
+    )(*operands)
     return out[:, :T]
 
 
 def flash_attention(q, k, v, *, causal=True, q_offsets=None, kv_lengths=None, sm_scale=None,
-                    window=None, mode: KernelMode | str = KernelMode.AUTO):
+                    window=None, sinks=None, mode: KernelMode | str = KernelMode.AUTO):
     """Attention of queries q [B,T,N,H] over keys/values [B,S,K,H] -> [B,T,N,H] (see the module
     docstring for the masking contract), run as ``mode`` resolves on this platform."""
     return dispatch(mode, flash_attention_reference, flash_attention_pallas, q, k, v, causal=causal,
-                    q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, window=window)
+                    q_offsets=q_offsets, kv_lengths=kv_lengths, sm_scale=sm_scale, window=window, sinks=sinks)

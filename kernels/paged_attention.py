@@ -3,7 +3,7 @@ and chunked prefill alike.
 
     paged_attention(q [B,T,N,H], k_pages [K,P,page,H], v_pages [K,P,page,H],
                     block_tables [B,W] int32, kv_lengths [B] int32, *, q_offsets=None,
-                    sm_scale=None, window=None, k_scales=None, v_scales=None) -> [B,T,N,H]
+                    sm_scale=None, window=None, sinks=None, k_scales=None, v_scales=None) -> [B,T,N,H]
 
 Sequence b's token s lives in page ``block_tables[b, s // page]`` at slot ``s % page``; it has
 ``kv_lengths[b]`` valid keys (clamped to [0, W*page]). Query t of row b sits at key position
@@ -12,7 +12,8 @@ so a decode step is T=1 at position kv_length-1). Masking is flash attention's w
 a query sees key s when s < kv_length and s <= its position, and with a sliding ``window`` when
 position - s < window; a query that sees no key gives zeros. Query head n reads kv head
 n // (N/K). Table entries past a sequence's pages may hold anything in [0, P) (they are clamped
-there and masked); pages are never written.
+there and masked); pages are never written. ``sinks`` (float32 [N]) are flash attention's
+attention sinks: one more logit per query head in the softmax's denominator, with value zero.
 
 The pages are either float (q's dtype) or quantized: int8 or float8_e4m3fn values with float32
 ``k_scales``/``v_scales`` [K,P,page,1], one per kv head, page and slot (real value = values *
@@ -27,7 +28,8 @@ gathers ``pages_per_tile`` pages per step through the block table and folds them
 softmax, visiting only the tiles its rows can see: up to its last row's position (causal) and
 from its first row's window start. The splits (flash-decoding) keep a GPU busy when B*K*row
 blocks alone are too few programs for a long context; their partial results are merged outside
-the kernel.
+the kernel, and that merge is where the sinks join the denominator, once per row whatever the
+number of splits (the kernel itself does not see them).
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def check_tables(op: str, block_tables, kv_lengths, q_offsets, batch: int) -> No
 
 
 def validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets, sm_scale,
-                             window, k_scales=None, v_scales=None) -> float:
+                             window, k_scales=None, v_scales=None, sinks=None) -> float:
     """Check shapes and dtypes (raising :class:`KernelError` naming the bad one): float pages
     in q's dtype without scales, or int8/float8_e4m3fn pages (both of one dtype) with float32
     scales [K,P,page,1]; return the softmax scale to use (1/sqrt(H) when ``sm_scale`` is None)."""
@@ -127,6 +129,7 @@ def validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_of
     tiles.check_pool(OP, "v_pages", v_pages, "v_scales", v_scales, q.dtype)
     check_tables(OP, block_tables, kv_lengths, q_offsets, B)
     tiles.check_window(OP, window)
+    tiles.check_sinks(OP, sinks, N)
     if sm_scale is None:
         return H**-0.5
     tiles.check_scale(OP, sm_scale)
@@ -186,18 +189,18 @@ def gather_dequantized(pages: jax.Array, scales: jax.Array | None, block_tables:
 
 
 def paged_attention_reference(q, k_pages, v_pages, block_tables, kv_lengths, *, q_offsets=None,
-                              sm_scale=None, window=None, k_scales=None, v_scales=None):
+                              sm_scale=None, window=None, sinks=None, k_scales=None, v_scales=None):
     """Pure-jnp paged attention with the contract of :func:`paged_attention`: gathers each
     sequence's keys and values (and their scales, dequantizing, for a quantized pool) into a
     contiguous [B,S,K,H], then :func:`~dayzero.kernels.flash_attention.flash_attention_reference`
     (causal) over them."""
     sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets,
-                                        sm_scale, window, k_scales, v_scales)
+                                        sm_scale, window, k_scales, v_scales, sinks)
     k, v = (jnp.swapaxes(gather_dequantized(x, s, block_tables, q.dtype), 1, 2)
             for x, s in ((k_pages, k_scales), (v_pages, v_scales)))  # [B,S,K,H]
     kv_lengths, q_offsets = ragged_defaults(kv_lengths, q_offsets, q.shape[1], k.shape[1])
     return flash_attention_reference(q, k, v, causal=True, q_offsets=q_offsets, kv_lengths=kv_lengths,
-                                     sm_scale=sm_scale, window=window)
+                                     sm_scale=sm_scale, window=window, sinks=sinks)
 
 
 def _tile_range(q_offset, kv_len, first_row, *, block: int, num_rows: int, rows_per_token: int,
@@ -269,12 +272,13 @@ def _paged_kernel(q_offsets_ref, kv_lengths_ref, tables_ref, q_ref, k_ref, *refs
 
 def paged_pallas(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets, *, rows_per_token: int,
                  sm_scale: float, window, key_parts: tiles.Parts, value_parts: tiles.Parts, interpret: bool,
-                 blocks: PagedBlocks | None, k_scales=None, v_scales=None, op: str = OP,
+                 blocks: PagedBlocks | None, k_scales=None, v_scales=None, row_sinks=None, op: str = OP,
                  names: tuple[str, str] = ("k_pages", "v_pages")) -> jax.Array:
     """The kernel launch both paged ops share: q [B,K,R,Dq] (per kv head, R = T*rows_per_token
     query rows, token-major), k_pages [K,P,page,Dq], v_pages [K,P,page,Dv] or None (values =
     the keys' ``value_parts`` columns), kv_lengths [B], q_offsets [B] or None, and for a
-    quantized pool k_scales (v_scales) [K,P,page,1] -> normalised fp32 [B,K,R,Dv]. Inputs are
+    quantized pool k_scales (v_scales) [K,P,page,1] -> normalised fp32 [B,K,R,Dv]. ``row_sinks``
+    (fp32 [K,R], each row's query head's sink, or None) join the merge of the splits. Inputs are
     assumed validated; ``op`` and ``names`` name the caller's op and pools in errors."""
     B, K, R, Dq = q.shape
     P, page_size = k_pages.shape[1], k_pages.shape[2]
@@ -331,33 +335,39 @@ def paged_pallas(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets, *, ro
         interpret=interpret,
         name="dayzero_paged_attention",
     )(*operands)
-    return tiles.combine_splits(acc, m, l, axis=2)[:, :, :R]
+    if row_sinks is not None:  # the padding rows' sinks are never read back
+        row_sinks = tiles.pad_axis(row_sinks, 1, q.shape[2])[None]  # [1,K,R_pad]
+    return tiles.combine_splits(acc, m, l, axis=2, sinks=row_sinks)[:, :, :R]
 
 
 def paged_attention_pallas(q, k_pages, v_pages, block_tables, kv_lengths, *, q_offsets=None, sm_scale=None,
-                           window=None, k_scales=None, v_scales=None, interpret=False,
+                           window=None, sinks=None, k_scales=None, v_scales=None, interpret=False,
                            blocks: PagedBlocks | None = None):
     """The Pallas kernel behind :func:`paged_attention` (``interpret`` runs it as XLA ops on any
     platform); ``blocks`` overrides the tiling table."""
     sm_scale = validate_paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, q_offsets,
-                                        sm_scale, window, k_scales, v_scales)
+                                        sm_scale, window, k_scales, v_scales, sinks)
     B, T, N, H = q.shape
     K = k_pages.shape[0]
     G = N // K
     parts = tiles.pow2_parts(H)
     # Rows of kv head k: its G query heads of token 0, then of token 1, ...
     rows = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, H)
+    # Row t*G + g of kv head k is query head k*G + g.
+    row_sinks = None if sinks is None else jnp.tile(sinks.reshape(K, G), (1, T))
     out = paged_pallas(rows, k_pages, v_pages, block_tables, kv_lengths, q_offsets, rows_per_token=G,
                        sm_scale=sm_scale, window=window, key_parts=parts, value_parts=parts,
-                       interpret=interpret, blocks=blocks, k_scales=k_scales, v_scales=v_scales)
+                       interpret=interpret, blocks=blocks, k_scales=k_scales, v_scales=v_scales,
+                       row_sinks=row_sinks)
     return out.reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4).reshape(B, T, N, H).astype(q.dtype)
 
 
 def paged_attention(q, k_pages, v_pages, block_tables, kv_lengths, *, q_offsets=None, sm_scale=None,
-                    window=None, k_scales=None, v_scales=None, mode: KernelMode | str = KernelMode.AUTO):
+                    window=None, sinks=None, k_scales=None, v_scales=None,
+                    mode: KernelMode | str = KernelMode.AUTO):
     """Attention of T queries per sequence q [B,T,N,H] over its K/V pages (float, or quantized
     with ``k_scales``/``v_scales``) -> [B,T,N,H] (see the module docstring for the layout and
     masking), run as ``mode`` resolves on this platform."""
     return dispatch(mode, paged_attention_reference, paged_attention_pallas, q, k_pages, v_pages,
                     block_tables, kv_lengths, q_offsets=q_offsets, sm_scale=sm_scale, window=window,
-                    k_scales=k_scales, v_scales=v_scales)
+                    sinks=sinks, k_scales=k_scales, v_scales=v_scales)

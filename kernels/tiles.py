@@ -12,6 +12,16 @@ exp(score - m) and the unnormalised output ``acc`` (one array per value part), a
 a whole row) with nothing visible adds exp(-inf) = 0 and never computes inf - inf = NaN. A row
 that saw no key ends with l == 0 and its output is defined as zeros.
 
+Attention sinks (gpt-oss): a learned logit per query head that joins the softmax's denominator
+as one more key whose value is zero, p_j = exp(s_j) / (exp(sink) + sum_k exp(s_k)). It is folded
+in once, after the keys (:func:`fold_sink` in a kernel, or ``sinks`` of :func:`combine_splits`
+when the keys were split among programs), as a merge of two partial softmaxes: both sides are
+rescaled to their common max, so every exponent is <= 0 whatever the sink's size. Starting the
+running max at the sink instead (l = 1) would count it once in every split started that way,
+and a sink of -inf (no sink for that head) would meet a fully masked tile as exp(-inf - -inf) =
+NaN. A row that sees no key but has a sink ends with acc == 0 and l > 0: zeros, as HF gives
+(the sink takes all the weight).
+
 Quantized pools (int8 or float8_e4m3fn values with one float32 scale per row, the layout of
 ``dayzero.model.quant.QuantizedArray`` in channel layout over the last axis) are read as stored
 and dequantized where they are used: :func:`dequantize` turns gathered values and their gathered
@@ -124,6 +134,16 @@ def softmax_update(state, scores: jax.Array, v_parts: list[jax.Array]):
     return m_new, l, acc
 
 
+def fold_sink(state, sink: jax.Array):
+    """The state with the sink logit ``sink`` (a scalar or [rows], fp32; -inf means none) folded
+    into its denominator once, as a key whose value is zero (see the module docstring)."""
+    m, l, acc = state
+    m_new = jnp.maximum(m, sink)  # m starts at M_INIT (finite), so m_new is finite
+    rescale = jnp.exp(m - m_new)
+    l = l * rescale + jnp.exp(sink - m_new)
+    return m_new, l, tuple(a * rescale[:, None] for a in acc)
+
+
 def softmax_finish(state) -> tuple[jax.Array, ...]:
     """Normalised fp32 outputs per value part; zeros for rows that saw no key."""
     _, l, acc = state
@@ -132,15 +152,21 @@ def softmax_finish(state) -> tuple[jax.Array, ...]:
     return tuple(a * inv[:, None] for a in acc)
 
 
-def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int) -> jax.Array:
+def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array, axis: int, sinks: jax.Array | None = None) -> jax.Array:
     """Merge partial softmax results computed over disjoint key ranges along ``axis``.
 
     ``acc`` [..., split, ..., rows, D] unnormalised, ``m``/``l`` the same without D. Returns the
-    normalised fp32 output with ``axis`` removed (zeros where no split saw a key).
+    normalised fp32 output with ``axis`` removed (zeros where no split saw a key). ``sinks``
+    (fp32, broadcastable to ``m`` without ``axis``; -inf means none) joins the denominator here,
+    once for all splits, as a zero-valued key.
     """
     m_all = jnp.max(m, axis=axis, keepdims=True)
+    if sinks is not None:
+        m_all = jnp.maximum(m_all, jnp.expand_dims(sinks, axis))  # finite: m >= M_INIT
     weight = jnp.exp(m - m_all)
     total = jnp.sum(l * weight, axis=axis)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - jnp.squeeze(m_all, axis))
     out = jnp.sum(acc * weight[..., None], axis=axis)
     seen = total > 0
     return jnp.where(seen[..., None], out / jnp.where(seen, total, 1.0)[..., None], 0.0)
@@ -195,11 +221,18 @@ def check_pallas_offsets(op: str, name: str, x) -> None:
             f"1-byte pool to at most 2^31 elements (fewer pages) or use --kernels reference")
 
 
-def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None = None) -> jax.Array:
     """For the references: fp32 softmax of ``scores`` over its last axis where ``mask``; rows
-    with nothing visible give zeros (not NaN)."""
-    probs = jax.nn.softmax(jnp.where(mask, scores.astype(jnp.float32), -jnp.inf), axis=-1)
-    return jnp.where(mask, probs, 0.0)
+    with nothing visible give zeros (not NaN). ``sinks`` (fp32, broadcastable to scores[..., 0];
+    -inf means none) adds exp(sink) to each row's denominator: a key with zero value."""
+    logits = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
+    if sinks is None:
+        return jnp.where(mask, jax.nn.softmax(logits, axis=-1), 0.0)
+    m = jnp.maximum(jnp.max(logits, axis=-1), sinks)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)  # a row with no key and no sink: everything below is 0
+    e = jnp.exp(logits - m[..., None])
+    total = jnp.sum(e, axis=-1) + jnp.exp(sinks - m)
+    return jnp.where(mask, e / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
 # --- validation helpers (the per-op validators are built from these) ---
@@ -267,6 +300,13 @@ def check_value_dim(op: str, value_dim, width: int) -> None:
     """``value_dim`` (the leading columns of a latent row that are its value) is an int in [1, width]."""
     if isinstance(value_dim, bool) or not isinstance(value_dim, int) or not 0 < value_dim <= width:
         raise KernelError(f"{op}: value_dim must be an int in [1, C={width}], got {value_dim!r}")
+
+
+def check_sinks(op: str, sinks, num_heads: int) -> None:
+    """Raise unless ``sinks`` is None or float32 [N=num_heads] (one sink logit per query head)."""
+    if sinks is not None and (tuple(sinks.shape) != (num_heads,) or jnp.dtype(sinks.dtype) != jnp.float32):
+        raise KernelError(f"{op}: sinks must be float32 [N={num_heads}] (one logit per query head), got "
+                          f"{sinks.dtype}{list(sinks.shape)}; cast the model's sinks with .astype(float32)")
 
 
 def check_window(op: str, window) -> None:
