@@ -196,6 +196,8 @@ def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
     present = [(name, r) for name, r in pairs if name in names]
     missing = [name for name, _ in pairs if name not in names]
     unexpected = sorted(n for n in names - wanted if not name_map.is_ignored(n))
+    # Deliberately not converted (e.g. the MTP modules of num_nextn_predict_layers): said, not hidden.
+    ignored = sorted(n for n in names - wanted if name_map.is_ignored(n))
     wrong_shape = [
         f"tensor '{name}' has shape {list(reader.shape(name))}, expected {list(r.source_shape)}"
         for name, r in present if tuple(reader.shape(name)) != r.source_shape
@@ -203,7 +205,7 @@ def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
     not_float = [f"tensor '{name}' has dtype {reader.dtype(name)}, which conversion does not accept"
                  for name, _ in present if not _is_floating(np.dtype(reader.dtype(name)))]
     info = {"config": f"{config.family.value}, {config.num_layers} layers", "expected": len(wanted),
-            "present": len(names), "missing": missing, "unexpected": unexpected,
+            "present": len(names), "missing": missing, "unexpected": unexpected, "ignored": ignored,
             "wrong_shape": wrong_shape, "not_float": not_float}
     problems = ([f"missing tensor '{n}'" for n in missing] + [f"unexpected tensor '{n}'" for n in unexpected]
                 + wrong_shape + not_float)
@@ -337,7 +339,8 @@ def _structure_line(report: CheckReport) -> str:
     bad = s["missing"] or s["unexpected"] or s["wrong_shape"] or s["not_float"]
     verdict = "FAIL" if bad else "OK  "
     counts = (f"{len(s['missing'])} missing, {len(s['unexpected'])} unexpected, "
-              f"{len(s['wrong_shape'])} wrong shape, {len(s['not_float'])} not floating point")
+              f"{len(s['wrong_shape'])} wrong shape, {len(s['not_float'])} not floating point, "
+              f"{len(s['ignored'])} ignored (not converted)")
     return f"  {verdict}  tensors ({s['config']}): {s['expected']} expected, {s['present']} present; {counts}"
 
 

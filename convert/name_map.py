@@ -111,7 +111,7 @@ def key_in_group(target: str) -> tuple[str, ...]:
     return parts[2:] if parts[0] == "layers" else parts
 
 
-# --- Hugging Face (llama / mistral / qwen2 / qwen3 / mixtral / qwen3_moe) -----------------------
+# --- Hugging Face (llama / mistral / qwen2 / qwen3 / mixtral / qwen3_moe / deepseek / glm4_moe) ---
 
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a derived buffer old checkpoints saved
 
@@ -144,6 +144,7 @@ _PER_EXPERT_NAMES = {
     Family.DEEPSEEK_V3: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.KIMI_K2: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.DEEPSEEK_V32: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    Family.GLM4_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
 }
 
 
@@ -279,16 +280,19 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
-    """DeepSeek-V3's multi-token-prediction modules, stored as layers num_layers and up: plain
-    decoding never runs them (speculative decoding with them is not implemented)."""
+    """The multi-token-prediction modules of DeepSeek-V3 and GLM-4.5 (``num_nextn_predict_layers``),
+    stored as layers num_layers and up: plain decoding never runs them (speculative decoding with
+    them is not implemented), so they are skipped, as HF's own ``*ForCausalLM`` skips them when
+    loading; ``dayzero check`` counts them as ignored, and the converted config keeps
+    ``mtp_layers``. A layer past the MTP ones is refused like any unknown tensor."""
     match = _LAYER_INDEX.match(name)
     return bool(match) and c.num_layers <= int(match.group(1)) < c.num_layers + c.mtp_layers
 
 
 def hf_name_map(c: ModelConfig) -> NameMap:
     """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral,
-    qwen3_moe, deepseek_v3, kimi_k2 and deepseek_v32 families; MoE experts per expert, or fused as an
-    alternative layout."""
+    qwen3_moe, deepseek_v3, kimi_k2, deepseek_v32 and glm4_moe families; MoE experts per expert, or
+    fused as an alternative layout."""
 
     def ignored(name: str) -> bool:
         # A tied model may still carry a copy of the embedding as lm_head.weight: it is not read.

@@ -27,6 +27,8 @@ class Family(enum.Enum):
     DEEPSEEK_V3 = "deepseek_v3"
     KIMI_K2 = "kimi_k2"  # Kimi-K2 publishes the DeepSeek-V3 architecture under its own name
     DEEPSEEK_V32 = "deepseek_v32"  # DeepSeek-V3 plus DeepSeek Sparse Attention (see DSAConfig)
+    # GLM-4.5/4.6/4.7: GQA with q/k/v biases, optional q/k norms and partial RoPE, DeepSeek-V3 routing
+    GLM4_MOE = "glm4_moe"
 
 
 class AttentionKind(enum.Enum):
@@ -63,6 +65,13 @@ class RopeConfig:
     mscale: float | None = None
     mscale_all_dim: float | None = None
     truncate: bool = True
+    # Fraction of each head that is rotated (HF partial_rotary_factor): its first
+    # int(head_dim * factor) dims, as half-split pairs; the rest passes through unrotated.
+    partial_rotary_factor: float = 1.0
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """R: how many leading dims of a head of ``head_dim`` are rotated (HF's int(H * factor))."""
+        return int(head_dim * self.partial_rotary_factor)
 
 
 class RouterScore(enum.Enum):
@@ -206,6 +215,12 @@ class ModelConfig:
             raise ConfigError(
                 "sparse attention needs latent attention with a q LoRA (q_lora_rank) and "
                 f"index_head_dim={self.dsa.head_dim} >= qk_rope_head_dim"
+            )
+        rotary = self.rope.rotary_dim(self.head_dim)
+        if not 0 < self.rope.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
+            raise ConfigError(
+                f"partial_rotary_factor={self.rope.partial_rotary_factor} rotates {rotary} of head_dim="
+                f"{self.head_dim} dims; it must be in (0, 1] and rotate an even number >= 2 of them"
             )
         if self.moe is not None and len(self.moe.layers) != self.num_layers:
             raise ConfigError(f"{len(self.moe.layers)} MoE layer flags given for {self.num_layers} layers")

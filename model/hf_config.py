@@ -32,11 +32,21 @@ class _Traits:
 
     qkv_bias: bool = False  # q/k/v biases even when attention_bias is false (Qwen2)
     qk_norm: bool = False  # RMSNorm over each q and k head (Qwen3)
+    qk_norm_key: bool = False  # q/k norms iff the config's use_qk_norm (GLM-4.5)
+    o_bias_key: bool = True  # attention_bias also gives o_proj a bias (not in GLM-4.5)
     slides_by_default: bool = False  # sliding_window applies without use_sliding_window (Mistral)
     windows_from_layer_0: bool = False  # a window applies to every layer; max_window_layers is not read
     moe: bool = False  # sparse Mixture-of-Experts blocks (see MoEConfig)
-    mla: bool = False  # multi-head latent attention and DeepSeek-V3 routing (see MLAConfig)
+    mla: bool = False  # multi-head latent attention (see MLAConfig)
     dsa: bool = False  # a lightning indexer picks the tokens latent attention reads (see DSAConfig)
+    deepseek_moe: bool = False  # DeepSeek-V3 routing: sigmoid, selection bias, groups, shared experts
+    # HF's defaults for keys a config.json may leave out, where they differ from the generic ones
+    # this parser assumes (HF writes them only when they differ from its own defaults).
+    defaults: tuple[tuple[str, Any], ...] = ()
+    # partial_rotary_factor is applied (HF's attention rotates only part of each head), and its
+    # value where neither the config nor its RoPE parameters set it.
+    partial_rotary: bool = False
+    rotary_fraction: float = 1.0
 
 
 _TRAITS = {
@@ -46,9 +56,15 @@ _TRAITS = {
     Family.QWEN3: _Traits(qk_norm=True),
     Family.MIXTRAL: _Traits(slides_by_default=True, windows_from_layer_0=True, moe=True),
     Family.QWEN3_MOE: _Traits(qk_norm=True, windows_from_layer_0=True, moe=True),
-    Family.DEEPSEEK_V3: _Traits(moe=True, mla=True),
-    Family.KIMI_K2: _Traits(moe=True, mla=True),
-    Family.DEEPSEEK_V32: _Traits(moe=True, mla=True, dsa=True),
+    Family.DEEPSEEK_V3: _Traits(moe=True, mla=True, deepseek_moe=True),
+    Family.KIMI_K2: _Traits(moe=True, mla=True, deepseek_moe=True),
+    Family.DEEPSEEK_V32: _Traits(moe=True, mla=True, dsa=True, deepseek_moe=True),
+    # HF Glm4MoeConfig: half of each head rotated, renormalised top-k, one shared expert, one
+    # dense layer and one MTP module unless the config says otherwise.
+    Family.GLM4_MOE: _Traits(qk_norm_key=True, o_bias_key=False, moe=True, deepseek_moe=True,
+                             partial_rotary=True, rotary_fraction=0.5,
+                             defaults=(("norm_topk_prob", True), ("n_shared_experts", 1),
+                                       ("first_k_dense_replace", 1), ("num_nextn_predict_layers", 1))),
 }
 
 
@@ -94,7 +110,7 @@ class _Reader:
         return sorted(set(self.raw) - self.seen - _IGNORED_KEYS)
 
 
-def _parse_rope(r: _Reader, head_dim: int, max_pos: int) -> RopeConfig:
+def _parse_rope(r: _Reader, head_dim: int, max_pos: int, traits: _Traits) -> RopeConfig:
     """RoPE from either the transformers-5 ``rope_parameters`` or the older ``rope_scaling``."""
     params = dict(r.get("rope_parameters", {}) or {})
     legacy = dict(r.get("rope_scaling", {}) or {})
@@ -102,8 +118,19 @@ def _parse_rope(r: _Reader, head_dim: int, max_pos: int) -> RopeConfig:
     theta = params.pop("rope_theta", None) or r.get("rope_theta", 10000.0)
     type_name = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params.pop("partial_rotary_factor", r.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ConfigError("partial_rotary_factor != 1 is not supported yet")
+    top_level = r.get("partial_rotary_factor")
+    partial = params.pop("partial_rotary_factor", None)
+    if None not in (top_level, partial) and top_level != partial:
+        raise ConfigError(
+            f"partial_rotary_factor={top_level} and rope_parameters' partial_rotary_factor={partial} "
+            "disagree; keep one of them"
+        )
+    partial = float(partial if partial is not None else top_level if top_level is not None else traits.rotary_fraction)
+    if partial != 1.0 and not traits.partial_rotary:
+        raise ConfigError(
+            f"partial_rotary_factor={partial} is not supported for model_type={r.raw.get('model_type')!r}, "
+            "whose HF implementation rotates whole heads; remove the key"
+        )
     try:
         rope_type = RopeType(type_name)
     except ValueError:
@@ -126,7 +153,7 @@ def _parse_rope(r: _Reader, head_dim: int, max_pos: int) -> RopeConfig:
     if rope_type is not RopeType.DEFAULT and "factor" not in kwargs:
         raise ConfigError(f"rope_type '{type_name}' needs a 'factor'")
     kwargs = {k: v for k, v in kwargs.items() if v is not None or k in ("attention_factor", "mscale", "mscale_all_dim")}
-    return RopeConfig(type=rope_type, theta=float(theta), **kwargs)
+    return RopeConfig(type=rope_type, theta=float(theta), partial_rotary_factor=partial, **kwargs)
 
 
 def _sliding_windows(r: _Reader, family: Family, num_layers: int) -> tuple[int | None, ...]:
@@ -289,7 +316,7 @@ def _parse_moe(r: _Reader, family: Family, num_layers: int) -> MoEConfig | None:
     if not _TRAITS[family].moe:
         return None
     r.seen.update(_MOE_TRAINING_ONLY)
-    if _TRAITS[family].mla:
+    if _TRAITS[family].deepseek_moe:
         return _deepseek_moe(r, num_layers)
     num_experts = _num_experts(r)
     top_k = int(r.require("num_experts_per_tok"))
@@ -317,7 +344,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(
             f"unsupported architecture model_type={model_type!r}; supported: {supported}"
         ) from None
-    r = _Reader(raw)
+    traits = _TRAITS[family]
+    # A family's HF defaults fill only the keys the file leaves out (or sets to null).
+    r = _Reader({**raw, **{k: v for k, v in traits.defaults if raw.get(k) is None}})
     r.seen.add("model_type")
     for key, allowed in _REQUIRED_VALUES.items():
         if r.get(key, allowed[0]) not in allowed:
@@ -325,7 +354,6 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     hidden = int(r.require("hidden_size"))
     num_heads = int(r.require("num_attention_heads"))
     num_layers = int(r.require("num_hidden_layers"))
-    traits = _TRAITS[family]
     mla = _parse_mla(r, num_heads) if traits.mla else None
     # RoPE covers the whole head, or with latent attention only its rotary part.
     head_dim = mla.rope_dim if mla else int(r.get("head_dim", hidden // num_heads))
@@ -347,11 +375,11 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         head_dim=head_dim,
         rms_norm_eps=float(r.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        rope=_parse_rope(r, head_dim, max_pos),
+        rope=_parse_rope(r, head_dim, max_pos, traits),
         tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or traits.qkv_bias,
-        o_bias=attention_bias,
-        qk_norm=traits.qk_norm,
+        o_bias=attention_bias and traits.o_bias_key,
+        qk_norm=traits.qk_norm or (traits.qk_norm_key and bool(r.get("use_qk_norm", False))),
         sliding_windows=_sliding_windows(r, family, num_layers),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
@@ -359,7 +387,7 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         attention=AttentionKind.MLA if mla else AttentionKind.GQA,
         mla=mla,
         dsa=_parse_dsa(r) if traits.dsa else None,
-        mtp_layers=int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.mla else 0,
+        mtp_layers=int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.deepseek_moe else 0,
     )
     leftover = r.leftover()
     if leftover:

@@ -1,5 +1,12 @@
 """Rotary position embeddings: frequency schemes (default, linear, dynamic NTK, llama3, YaRN).
 
+Partial rotary (``RopeConfig.partial_rotary_factor`` < 1, GLM-4.5): only the first
+R = int(head_dim * factor) dims of each head are rotated, with frequencies computed for a head
+of R dims (as HF computes them, for every scheme); :func:`rope_cos_sin` returns tables of width R
+and :func:`apply_rope` rotates the first R dims of whatever it is given, so every attention path
+that calls the two (contiguous cache, paged serving, the kernels, which get q/k already rotated)
+handles it alike.
+
 Frequencies that do not depend on the sequence are computed once on the host in float64 and
 rounded to float32, as the reference computes them in float32 from the same formulas. Dynamic NTK
 depends on the longest position seen so far, so it is computed inside the jitted graph.
@@ -71,7 +78,8 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
 
 
 def static_inv_freq(rope: RopeConfig, head_dim: int) -> np.ndarray:
-    """Inverse frequencies [H/2] for every scheme whose frequencies do not move with length."""
+    """Inverse frequencies [R/2] for every scheme whose frequencies do not move with length."""
+    head_dim = rope.rotary_dim(head_dim)
     if rope.type is RopeType.DEFAULT or rope.type is RopeType.DYNAMIC:
         return _default_inv_freq(rope.theta, head_dim)
     if rope.type is RopeType.LINEAR:
@@ -94,24 +102,31 @@ def _dynamic_ntk_inv_freq(rope: RopeConfig, head_dim: int, max_position: int, se
 def rope_cos_sin(
     rope: RopeConfig, head_dim: int, max_position: int, positions: jnp.ndarray, seq_len: jnp.ndarray | None = None
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """cos and sin tables [B, T, H] (fp32) for integer ``positions`` [B, T].
+    """cos and sin tables [B, T, R] (fp32) for integer ``positions`` [B, T]; R = ``rope.rotary_dim(head_dim)``.
 
     ``seq_len`` is only used by dynamic NTK: the longest sequence seen so far, as HF tracks it.
     """
     if rope.type is RopeType.DYNAMIC:
         if seq_len is None:
             seq_len = jnp.max(positions) + 1
-        inv_freq = _dynamic_ntk_inv_freq(rope, head_dim, max_position, seq_len)
+        inv_freq = _dynamic_ntk_inv_freq(rope, rope.rotary_dim(head_dim), max_position, seq_len)
     else:
         inv_freq = jnp.asarray(static_inv_freq(rope, head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, H/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     scale = yarn_attention_factor(rope) if rope.type is RopeType.YARN else 1.0
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotate ``x`` [B, T, heads, H] by the half-split convention HF Llama uses."""
+    """Rotate ``x`` [B, T, heads, H] by the half-split convention HF Llama uses.
+
+    With tables [B, T, R] narrower than H (partial rotary) only ``x[..., :R]`` is rotated, its
+    pairs (i, i + R/2), and ``x[..., R:]`` passes unchanged (HF's ``apply_rotary_pos_emb``).
+    """
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :R], cos, sin), x[..., R:]], axis=-1)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]

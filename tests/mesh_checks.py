@@ -99,24 +99,38 @@ def sharded_logits(config, weights, tokens, axes, expert_parallel: bool, capacit
 
 
 def logits_and_router_gap(config, weights, tokens) -> tuple[np.ndarray, float]:
-    """One-device all-position logits, and the smallest margin between the C-th and (C+1)-th
-    router logit over every token and MoE layer (a near-tie would test rounding, not dispatch)."""
+    """One-device all-position logits, and the smallest margin at the routing choice's cut over
+    every token and MoE layer (a near-tie would test rounding, not dispatch; see :func:`choice_gap`)."""
     import dayzero.model.transformer as transformer
 
     def run(w, t):
-        inputs = []  # each MoE block's (router, hidden states), filled while tracing
+        inputs = []  # each MoE block's (router, selection bias, hidden states), filled while tracing
         real_moe = transformer.moe
-        transformer.moe = lambda mw, c, h: inputs.append((mw.router, h)) or real_moe(mw, c, h)
+        transformer.moe = lambda mw, c, h: inputs.append((mw.router, mw.score_bias, h)) or real_moe(mw, c, h)
         try:
             logits = forward(w, config, t, all_logits=True)[0]
         finally:
             transformer.moe = real_moe
-        return logits, [router_logits(r, h.reshape(-1, h.shape[-1])) for r, h in inputs]
+        return logits, [(router_logits(r, h.reshape(-1, h.shape[-1])), b) for r, b, h in inputs]
 
     logits, routers = jax.jit(run)(weights, tokens)
-    C = config.moe.experts_per_token
-    gaps = [np.sort(np.asarray(r), axis=-1) for r in routers]
-    return np.asarray(logits), min(float((s[:, -C] - s[:, -C - 1]).min()) for s in gaps)
+    return np.asarray(logits), min(choice_gap(np.asarray(r), b, config.moe) for r, b in routers)
+
+
+def choice_gap(logits: np.ndarray, bias, moe: MoEConfig) -> float:
+    """Smallest margin between the C-th and (C+1)-th router logit; with a selection bias (DeepSeek-V3
+    routing, one group per token) between the best two groups and, within the best group, between
+    the C-th and (C+1)-th biased sigmoid score, which is what that routing ranks."""
+    C = moe.experts_per_token
+    if bias is None:
+        s = np.sort(logits, axis=-1)
+        return float((s[:, -C] - s[:, -C - 1]).min())
+    assert moe.groups_per_token == 1, "only one kept group is handled here"
+    grouped = (1 / (1 + np.exp(-logits.astype(np.float64))) + np.asarray(bias)).reshape(len(logits), moe.num_groups, -1)
+    group_scores = np.sort(grouped, -1)[..., -2:].sum(-1)
+    ranked = np.sort(group_scores, -1)
+    best = np.sort(np.take_along_axis(grouped, np.argmax(group_scores, -1)[:, None, None], 1)[:, 0], -1)
+    return float(min((ranked[:, -1] - ranked[:, -2]).min(), (best[:, -C] - best[:, -C - 1]).min()))
 
 
 def local_expert_shapes(config, weights, tokens, axes) -> dict:
@@ -197,6 +211,35 @@ def part_moe() -> dict:
     return out
 
 
+def glm_config():
+    """The tiny config as GLM-4.5 builds it: q/k/v biases, q/k norms, half of each 16-wide head
+    rotated, a dense first layer, then DeepSeek-V3 routing (sigmoid, selection bias, 2 groups of
+    4 experts, scaling 2.5, one shared expert)."""
+    from dayzero.model.config import Family, RouterScore
+
+    moe = MoEConfig(num_experts=8, experts_per_token=2, intermediate_size=32, layers=(False, True),
+                    score=RouterScore.SIGMOID, score_bias=True, num_groups=2, routed_scaling=2.5, shared_experts=1)
+    base = _tiny_config()
+    return replace(base, family=Family.GLM4_MOE, head_dim=16, qkv_bias=True, qk_norm=True, moe=moe,
+                   rope=replace(base.rope, partial_rotary_factor=0.5))
+
+
+def part_glm() -> dict:
+    """GLM-4.5's blocks on tensor=2 x expert=4: all-position logits and generation as on one device."""
+    config = glm_config()
+    keys = iter(jax.random.split(jax.random.key(3), 64))
+    weights = init_weights(abstract_weights(config), next(keys), scale=0.1)
+    # Random norms, biases and selection bias: the constant init would hide a misplaced one.
+    weights = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(next(keys), w.shape, w.dtype), weights)
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, config.vocab_size)
+    axes = {"tensor": 2, "expert": 4}
+    ref, gap = logits_and_router_gap(config, weights, tokens)
+    out = {"router_gap": gap, "tp2ep4": {"err": rel_err(sharded_logits(config, weights, tokens, axes, True), ref)}}
+    out["tp2ep4"]["generate"] = compare(generation(Engine(config, weights)),
+                                        generation(Engine(config, weights, placement=placement_for(axes))))
+    return out
+
+
 def part_checkpoint(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
     """``one_device_dir`` (converted without a mesh) loaded into tensor=8; ``hf_dir`` converted here
     for data=2 x tensor=4 into ``mesh_dir`` and loaded on one device."""
@@ -258,7 +301,7 @@ def cli_on_mesh(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
             "verify_rc": vrc, "verify_passed": report["passed"]}
 
 
-PARTS = {"dense": part_dense, "moe": part_moe, "checkpoint": part_checkpoint}
+PARTS = {"dense": part_dense, "moe": part_moe, "glm": part_glm, "checkpoint": part_checkpoint}
 
 if __name__ == "__main__":
     print(json.dumps(PARTS[sys.argv[1]](*sys.argv[2:])))
