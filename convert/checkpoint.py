@@ -128,7 +128,7 @@ class GroupWriter:
         self._ocp = ocp
         self.root = root / "weights"
         if is_primary_process():  # in a multi-process run, one process makes the directories
-            self.root.mkdir(parents=True)
+            self.root.mkdir(parents=True, exist_ok=True)  # exists when resuming
         barrier("dayzero-convert-weights-dir")
         registry = type_handlers.create_type_handler_registry(
             (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
@@ -244,6 +244,19 @@ def _restore_groups(root: Path, groups: dict[str, dict[tuple[str, ...], str]],
                     f"cannot read weights/{group} of {root} ({str(e).splitlines()[0]}); it is corrupt, convert again"
                 ) from None
             yield group, {leaf: _lookup(restored, key) for key, leaf in keys.items()}
+
+
+def read_group(path: Path, entries: dict[str, Any]) -> dict[str, Any]:
+    """The arrays of one saved group (``weights/<group>``), in their stored dtypes, on one device.
+
+    ``entries``: ``{leaf: manifest entry}`` (its ``shape`` and ``dtype``) of the group's leaves.
+    Raises :class:`ConvertError` if the group cannot be read.
+    """
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    targets = {leaf: jax.ShapeDtypeStruct(tuple(e["shape"]), jnp.dtype(e["dtype"]), sharding=device)
+               for leaf, e in entries.items()}
+    groups = {path.name: {key_in_group(leaf): leaf for leaf in entries}}
+    return dict(next(_restore_groups(path.parent.parent, groups, targets))[1])
 
 
 def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = None) -> tuple[ModelConfig, Weights]:

@@ -3,23 +3,34 @@
 Target-driven: for each group (globals, then one per layer), for each leaf, read its source
 tensor (or, for stacked experts, each of its source tensors in turn), check its shape before
 touching the values, transform, cast to the storage dtype, check it is finite, and add it to the
-group; save the group with Orbax and drop it. Peak memory is about the largest group plus the
-largest source tensor, never the whole model.
+group; save the group with Orbax and drop it. Peak memory is about the largest group plus
+``threads`` leaves (those being made, or read ahead while the group is written), never the
+whole model.
 
 With ``quantize``, each projection the scheme quantizes is stored as ``<leaf>/values`` and
 ``<leaf>/scale`` (``dayzero.convert.quantize``) and the scheme is recorded in the manifest.
 
-Everything is written into ``DST.tmp-<random>`` next to DST and renamed into place only after
-the manifest (written last) is on disk; any error or interrupt removes the temporary directory.
+Everything is written into ``DST.partial`` next to DST and renamed into place only after the
+manifest (written last) is on disk. Each completed group is recorded there, so a conversion that
+is interrupted, killed or fails midway (a full disk) continues with ``resume``
+(``dayzero.convert.staging``); a bad input (:class:`ConvertError`) removes the staging directory.
+
+The leaves are read, transformed and hashed by a pool of ``threads`` threads, a group plus
+``threads`` leaves at a time, and the source files' sha256 runs in that pool too
+(``dayzero.convert.parallel``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
-import secrets
 import shutil
+import signal
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +39,22 @@ import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dayzero.convert.checkpoint import GroupWriter, array_sha256, file_sha256, write_manifest
+from dayzero.convert.checkpoint import GroupWriter, array_sha256, dayzero_version, file_sha256, write_manifest
 from dayzero.convert.errors import ConvertError
 from dayzero.convert.quantize import quant_config, quantized_leaf
 from dayzero.convert.name_map import (
     Combine, Recipe, check_shape, check_targets, group_of, key_in_group, plan, source_tensors,
 )
+from dayzero.convert.parallel import ReadAhead
 from dayzero.convert.sources import Source, open_source
+from dayzero.convert.staging import (
+    LOCK, PROGRESS, Staging, file_stamps, keep_verified, kill_point, open_existing, partial_dir, refusal,
+)
 from dayzero.model.config import ConfigError, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.quant import QuantConfig, QuantizedArray
 from dayzero.model.weights import abstract_weights, is_spec_node, leaf_path, named_leaves
-from dayzero.sharding.distributed import barrier, is_primary_process, shared_token
+from dayzero.sharding.distributed import barrier, is_primary_process
 
 STORAGE_DTYPES = {
     "float32": np.dtype(np.float32),
@@ -133,46 +148,25 @@ def _stored_arrays(r: Recipe, source: Source, storage: np.dtype, shape: tuple[in
     return quantized_leaf(r, source, node, shape, lambda: _make_leaf(r, source, np.dtype(np.float32), shape))
 
 
-def _write_weights(tmp: Path, source: Source, config: ModelConfig, recipes: tuple[Recipe, ...],
-                   storage: np.dtype, progress: bool, quant: QuantConfig, placement: Any) -> dict[str, Any]:
-    """Stream every group into ``tmp/weights``; return the per-leaf manifest entries.
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything decided before the first tensor is read."""
 
-    With a ``placement`` each leaf is written laid out for its mesh (see ``convert.checkpoint``).
-    """
-    specs = named_leaves(abstract_weights(config))
-    nodes = _quantized_nodes(config, quant)
-    shardings = None if placement is None else named_leaves(placement.shardings(abstract_weights(config, quant)))
-    entries: dict[str, Any] = {}
-    writer = GroupWriter(tmp)
-    bar = tqdm(total=len(recipes), unit="tensor", file=sys.stderr, disable=not progress, desc="converting")
-    try:
-        for group, members in _groups(recipes).items():
-            bar.set_postfix_str(group)
-            arrays, layout = {}, {}
-            for r in members:
-                parts, how = _stored_arrays(r, source, storage, specs[r.target].shape, nodes.get(r.target))
-                for suffix, y in parts.items():
-                    name = f"{r.target}/{suffix}" if suffix else r.target
-                    arrays[key_in_group(name)] = y
-                    entries[name] = {"group": group, "shape": list(y.shape), "dtype": str(y.dtype),
-                                     "sha256": array_sha256(y),
-                                     "source": r.source if len(r.sources) == 1 else list(r.sources)}
-                    if how:
-                        entries[name]["quantized"] = how
-                    if shardings is not None:
-                        layout[key_in_group(name)] = shardings[name]
-                        entries[name]["spec"] = list(shardings[name].spec)
-                bar.update()
-            writer.save(group, arrays, layout if shardings is not None else None)
-            del arrays, parts, y  # the group is on disk; let it go before reading the next one
-    finally:
-        bar.close()
-        writer.close()
-    return entries
+    config: ModelConfig
+    recipes: tuple[Recipe, ...]
+    storage: np.dtype
+    quant: QuantConfig
+    placement: Any
+
+    def options(self, source: Source) -> dict[str, Any]:
+        """The options that shape the output (a resume must match them all)."""
+        mesh = None if self.placement is None else {"mesh": self.placement.axes, "rules": self.placement.rules.name}
+        return {"source": str(source.path.resolve()), "source_config": self.config.to_json(),
+                "dtype": str(self.storage), "quantize": self.quant.weights.value, "mesh": mesh,
+                "dayzero_version": dayzero_version()}
 
 
-def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool, quantize: str | None,
-                  placement: Any) -> None:
+def _plan(source: Source, dtype: str | None, quantize: str | None, placement: Any) -> _Plan:
     where = str(source.path)
     try:
         config = parse_hf_config(source.hf_config)
@@ -187,41 +181,145 @@ def _convert_into(tmp: Path, source: Source, dtype: str | None, progress: bool, 
     quant = quant_config(quantize, source)
     if placement is not None:
         _check_layout(config, placement)
+    return _Plan(config, recipes, storage, quant, placement)
+
+
+def _leaf(r: Recipe, source: Source, p: _Plan, shape: tuple[int, ...], node: QuantizedArray | None,
+          shardings: dict | None) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+    """``[(name, array, manifest entry)]`` of one leaf: read, transform, cast and hash (a pool task)."""
+    parts, how = _stored_arrays(r, source, p.storage, shape, node)
+    out = []
+    for suffix, y in parts.items():
+        name = f"{r.target}/{suffix}" if suffix else r.target
+        entry = {"group": group_of(r.target), "shape": list(y.shape), "dtype": str(y.dtype),
+                 "sha256": array_sha256(y), "source": r.source if len(r.sources) == 1 else list(r.sources)}
+        if how:
+            entry["quantized"] = how
+        if shardings is not None:
+            entry["spec"] = list(shardings[name].spec)
+        out.append((name, y, entry))
+    return out
+
+
+def _source_bytes(source: Source, members: list[Recipe]) -> int:
+    reader = source.reader
+    return sum(math.prod(reader.shape(n)) * np.dtype(reader.dtype(n)).itemsize for n, _ in source_tensors(members))
+
+
+def _files_of(source: Source) -> Any:
+    """``recipe -> [source files it reads]``, or None when the reader cannot tell."""
+    file_of = getattr(source.reader, "file_of", None)
+    if file_of is None:
+        return None
+    return lambda r: sorted({file_of(n) for n in r.sources})
+
+
+def _group_files(source: Source, members: list[Recipe], stamps: dict[str, list[int]]) -> dict[str, list[int]]:
+    """Stamps of the source files a group reads (all of them when the reader cannot tell)."""
+    files_of = _files_of(source)
+    if files_of is None:
+        return stamps
+    return {str(f): stamps[str(f)] for f in sorted({f for r in members for f in files_of(r)})}
+
+
+def _write_weights(staging: Staging, source: Source, p: _Plan, pool: ThreadPoolExecutor, threads: int,
+                   progress: bool, stats: dict[str, Any]) -> list[str]:
+    """Stream every group not yet recorded in ``staging`` into its ``weights/``, recording each;
+    return the source files' sha256 (process 0; empty elsewhere).
+
+    The leaves are made by the pool, a group plus ``threads`` leaves at a time (see
+    ``convert.parallel``); each group is then saved and recorded. With a ``placement`` each leaf
+    is written laid out for its mesh (see ``convert.checkpoint``).
+    """
+    specs = named_leaves(abstract_weights(p.config))
+    nodes = _quantized_nodes(p.config, p.quant)
+    shardings = (None if p.placement is None
+                 else named_leaves(p.placement.shardings(abstract_weights(p.config, p.quant))))
+    stamps = file_stamps(source.reader.files)
+    todo = {g: m for g, m in _groups(p.recipes).items() if g not in staging.groups}
+
+    def make(r: Recipe) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+        return _leaf(r, source, p, specs[r.target].shape, nodes.get(r.target), shardings)
+
+    primary = is_primary_process()
+    reads = ReadAhead(pool, threads, [(g, r) for g, m in todo.items() for r in m], make, _files_of(source),
+                      source.reader.files, file_sha256 if primary else None)
+    writer = GroupWriter(staging.root)
+    bar = tqdm(total=sum(len(m) for m in todo.values()), unit="tensor", file=sys.stderr, disable=not progress,
+               desc="converting")
+    try:
+        for group, members in todo.items():
+            arrays, layout, entries = {}, {}, {}
+            for leaf in reads.group(group):
+                for name, y, entry in leaf:
+                    arrays[key_in_group(name)], entries[name] = y, entry
+                    if shardings is not None:
+                        layout[key_in_group(name)] = shardings[name]
+                bar.update()
+            del leaf, y  # the arrays dict holds the group's only copies now
+            writer.save(group, arrays, layout if shardings is not None else None)
+            del arrays  # the group is on disk; let it go before reading the next one
+            if primary:
+                if kill_point(len(staging.groups)):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                staging.record(group, entries, _group_files(source, members, stamps))
+            stats["bytes_read"] += _source_bytes(source, members)
+            bar.set_postfix_str(f"{group} {_rate(stats):.1f} MB/s")
+        return reads.file_hashes() if primary else []
+    finally:
+        bar.close()
+        writer.close()
+
+
+def _rate(stats: dict[str, Any]) -> float:
+    return stats["bytes_read"] / 1e6 / max(time.perf_counter() - stats["_start"], 1e-9)
+
+
+def _write_metadata(root: Path, source: Source, p: _Plan) -> list[str]:
+    """The files around the weights (written again on resume: they are cheap and deterministic)."""
+    (root / "config.json").write_text(json.dumps(p.config.to_json(), indent=1))
+    (root / "hf_config.json").write_text(json.dumps(source.hf_config, indent=1))
+    return source.export_tokenizer(root)
+
+
+def _convert_into(staging: Staging, source: Source, p: _Plan, progress: bool, threads: int,
+                  stats: dict[str, Any]) -> None:
     # In a multi-process run every process reads the source and holds its own shards, but the
     # files around the weights are written by process 0 alone.
     primary = is_primary_process()
-    if primary:
-        tmp.mkdir()
-        (tmp / "config.json").write_text(json.dumps(config.to_json(), indent=1))
-        (tmp / "hf_config.json").write_text(json.dumps(source.hf_config, indent=1))
-    tokenizer_files = source.export_tokenizer(tmp) if primary else []
+    tokenizer_files = _write_metadata(staging.root, source, p) if primary else []
     barrier("dayzero-convert-start")
-    entries = _write_weights(tmp, source, config, recipes, storage, progress and primary, quant, placement)
+    with ThreadPoolExecutor(threads, thread_name_prefix="dayzero-convert") as pool:
+        try:
+            hashes = _write_weights(staging, source, p, pool, threads, progress and primary, stats)
+            files = [{"name": f.name, "bytes": f.stat().st_size, "sha256": h}
+                     for f, h in zip(source.reader.files, hashes)]
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     if not primary:
         return
-    layout = {} if placement is None else {"mesh": placement.axes, "rules": placement.rules.name}
-    write_manifest(tmp, {
+    layout = {} if p.placement is None else {"mesh": p.placement.axes, "rules": p.placement.rules.name}
+    order = list(_groups(p.recipes))
+    write_manifest(staging.root, {
         **layout,
-        "dtype": str(storage),
-        "quantization": quant.to_json(),
-        "source": {
-            "format": source.format,
-            "path": str(source.path),
-            "files": [{"name": p.name, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
-                      for p in source.reader.files],
-        },
-        "config": config.to_json(),
+        "dtype": str(p.storage),
+        "quantization": p.quant.to_json(),
+        "source": {"format": source.format, "path": str(source.path), "files": files},
+        "config": p.config.to_json(),
         "tokenizer_files": tokenizer_files,
-        "groups": sorted({e["group"] for e in entries.values()}),
-        "tensors": entries,
+        "groups": sorted(order),
+        "tensors": staging.entries(order),
     })
 
 
 def _move_into_place(tmp: Path, dst: Path) -> None:
-    """Rename the finished temporary directory to DST (atomic on one file system)."""
+    """Rename the finished staging directory to DST (atomic on one file system)."""
     appeared = ConvertError(f"destination {dst} appeared during conversion; remove it and convert again")
     if dst.exists():
         raise appeared
+    for scratch in (PROGRESS, PROGRESS + ".new", LOCK):  # the staging's own files are no part of the checkpoint
+        (tmp / scratch).unlink(missing_ok=True)
     try:
         os.rename(tmp, dst)
     except OSError:
@@ -238,8 +336,39 @@ def _check_layout(config: ModelConfig, placement: Any) -> None:
         raise ConvertError(f"--mesh expert={ep} cannot lay out a model with {experts}; use a mesh that fits it")
 
 
+def _open_staging(partial: Path, source: Source, options: dict[str, Any], resume: bool,
+                  progress: bool) -> Staging:
+    """This run's staging: the interrupted one, checked and trimmed to its intact groups, when
+    resuming; else a new, empty one (process 0 makes it; the others only name it)."""
+    if not is_primary_process():
+        return Staging(partial, options)
+    if resume and partial.exists():
+        staging = open_existing(partial, options)
+        if staging is not None:
+            dropped = keep_verified(staging, file_stamps(source.reader.files))
+            if progress:
+                redo = f", redoing {len(dropped)} that no longer match ({', '.join(dropped)})" if dropped else ""
+                print(f"dayzero: resuming {partial}: {len(staging.groups)} groups kept{redo}", file=sys.stderr)
+            return staging
+    try:
+        partial.mkdir()
+    except FileExistsError:  # a concurrent run got here first
+        raise refusal(partial) from None
+    staging = Staging(partial, options)
+    staging.lock()
+    staging.save()
+    return staging
+
+
+def default_threads() -> int:
+    """Read threads when none are asked for: one per core, at most 8 (reads are I/O and hashing)."""
+    return max(1, min(8, os.cpu_count() or 1))
+
+
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None,
-                       progress: bool = True, quantize: str | None = None, placement: Any = None) -> Path:
+                       progress: bool = True, quantize: str | None = None, placement: Any = None,
+                       resume: bool = False, threads: int | None = None,
+                       stats: dict[str, Any] | None = None) -> Path:
     """Convert a source checkpoint into a new dayzero checkpoint directory; return its path.
 
     ``src``: an HF model directory (config.json + safetensors or pytorch_model.bin, sharded or
@@ -250,22 +379,52 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     none, int8, fp8, fp8-block, int4 (``dayzero.model.quant.WeightQuant``; None: none); dtype
     then applies to the leaves left in float. ``placement`` (a
     ``dayzero.sharding.placement.Placement``): write the arrays laid out for its mesh (any mesh,
-    or one device, can still load them). Raises :class:`ConvertError` (leaving no DST behind)
-    for any problem with the inputs.
+    or one device, can still load them). ``resume``: continue the interrupted conversion staged
+    in ``DST.partial`` (see :mod:`dayzero.convert.staging`); without it such a directory is an
+    error. ``threads``: how many source tensors are read, transformed and hashed at once
+    (default :func:`default_threads`). ``stats``: if given, filled with ``bytes_read``,
+    ``seconds``, ``mb_per_s``, ``threads``, ``groups_converted`` and ``groups_kept``.
+    Raises :class:`ConvertError` for any problem with the inputs, leaving nothing behind; a run
+    interrupted, killed or failing otherwise (a full disk) after its first group keeps
+    ``DST.partial`` for ``resume``.
     """
     src, dst = Path(src), Path(dst)
+    threads = default_threads() if threads is None else threads
+    if threads < 1:
+        raise ConvertError(f"{threads} read threads is not a positive number; pass --threads 1 or more")
     if dst.exists():
         raise ConvertError(f"destination {dst} already exists; choose a new directory or remove it first")
+    partial = partial_dir(dst)
+    if partial.exists() and not resume:
+        raise refusal(partial)
+    if resume and jax.process_count() > 1:
+        raise ConvertError("--resume works in a single-process conversion only; run it without --num-processes")
+    barrier("dayzero-convert-looked")  # every process has looked before process 0 makes the staging
     source = open_source(src)
+    p = _plan(source, dtype, quantize, placement)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.parent / f"{dst.name}.tmp-{shared_token(secrets.token_hex(4))}"
+    staging = _open_staging(partial, source, p.options(source), resume, progress)
+    stats = {} if stats is None else stats
+    kept = len(staging.groups)
+    stats.update(bytes_read=0, threads=threads, groups_kept=kept, _start=time.perf_counter())
     try:
-        _convert_into(tmp, source, dtype, progress, quantize, placement)
+        _convert_into(staging, source, p, progress, threads, stats)
         if is_primary_process():
-            _move_into_place(tmp, dst)
-    except BaseException:
+            staging.unlock()
+            _move_into_place(partial, dst)
+    except BaseException as e:
         if is_primary_process():
-            shutil.rmtree(tmp, ignore_errors=True)
+            staging.unlock()
+            # A crash, a full disk or an interrupt keeps what is done for --resume; a bad input
+            # (ConvertError) needs another source, so nothing is kept.
+            if staging.groups and not isinstance(e, ConvertError):
+                print(f"dayzero: {len(staging.groups)} converted groups are kept in {partial}; "
+                      f"run again with --resume to continue, or delete {partial}", file=sys.stderr)
+            else:
+                shutil.rmtree(partial, ignore_errors=True)
         raise
     barrier("dayzero-convert-done")  # no process reports success before DST is in place
+    seconds = time.perf_counter() - stats.pop("_start")
+    stats.update(seconds=seconds, mb_per_s=stats["bytes_read"] / 1e6 / max(seconds, 1e-9),
+                 groups_converted=len(_groups(p.recipes)) - kept)
     return dst

@@ -1,8 +1,9 @@
 """Readers for source checkpoints, all behind one small interface.
 
-A reader has ``keys()``, ``shape(name)``, ``dtype(name)`` and ``get(name) -> np.ndarray`` and
-hands out one tensor at a time, so the streaming loop in :mod:`dayzero.convert.convert` holds no
-more than the tensor it is working on. ``shape`` is always in PyTorch layout ([out, in] for linear
+A reader has ``keys()``, ``shape(name)``, ``dtype(name)`` and ``get(name) -> np.ndarray`` (and
+the file readers ``file_of(name)``) and hands out one tensor at a time, so the streaming loop in
+:mod:`dayzero.convert.convert` holds no more than the tensors it is working on. ``get`` may run in
+several threads at once: each call reads on its own. ``shape`` is always in PyTorch layout ([out, in] for linear
 weights) so one name map shape check serves every format.
 
 Safetensors are read with our own header parse and ``np.fromfile`` rather than
@@ -116,6 +117,10 @@ class SafetensorsReader:
         """Element type as stored (bfloat16 as ``ml_dtypes.bfloat16``)."""
         return self._entries[name][0]
 
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self.path
+
     def get(self, name: str) -> np.ndarray:
         """A private copy of one tensor, read straight from the file."""
         dtype, shape, offset = self._entries[name]
@@ -170,6 +175,10 @@ class TorchReader:
             return np.dtype(ml_dtypes.bfloat16)
         return np.dtype(str(t.dtype).removeprefix("torch."))
 
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self.path
+
     def get(self, name: str) -> np.ndarray:
         """A numpy view of one tensor (bfloat16 reinterpreted bit for bit, no upcast)."""
         t = self._state[name]
@@ -212,6 +221,10 @@ class ShardedReader:
     def dtype(self, name: str) -> np.dtype:
         """Element type as stored."""
         return self._owner[name].dtype(name)
+
+    def file_of(self, name: str) -> Path:
+        """The shard that holds tensor ``name``."""
+        return self._owner[name].file_of(name)
 
     def get(self, name: str) -> np.ndarray:
         """One tensor from whichever shard holds it."""
@@ -261,6 +274,10 @@ class GGUFTensorReader:
     def dtype(self, name: str) -> np.dtype:
         """Always float32: quantized and half tensors are dequantized on read."""
         return np.dtype(np.float32)
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self.path
 
     def get(self, name: str) -> np.ndarray:
         """One tensor dequantized to float32, in PyTorch layout."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import time
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the converted layout changes, so stale caches are converted again.
 CACHE_FORMAT = "1"
+WAIT_S = 600  # longest wait for another process converting the default model at the same time
 
 
 class DefaultModelError(RuntimeError):
@@ -43,6 +45,7 @@ def default_model_dir(progress: bool = True) -> Path:
     """The converted default model, converting it on first use."""
     from dayzero.convert import ConvertError, convert_checkpoint
     from dayzero.convert.checkpoint import read_manifest
+    from dayzero.convert.staging import busy, partial_dir
 
     gguf = default_gguf_path()
     dst = cache_root() / f"smollm2-135m-instruct-v{CACHE_FORMAT}-{gguf.stat().st_size}"
@@ -51,11 +54,17 @@ def default_model_dir(progress: bool = True) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"dayzero: converting the embedded SmolLM2-135M-Instruct into {dst} (first use only)", file=sys.stderr)
-    try:
-        convert_checkpoint(gguf, dst, progress=progress)
-    except ConvertError:
-        # Another process may have converted it meanwhile; its complete copy is as good.
-        if not (dst / "manifest.json").exists():
-            raise
+    deadline = time.monotonic() + WAIT_S
+    while not (dst / "manifest.json").exists():
+        try:
+            # A first use that was killed left DST.partial: continue it rather than refuse.
+            convert_checkpoint(gguf, dst, progress=progress, resume=partial_dir(dst).exists())
+        except ConvertError:
+            # Another process may be converting it right now (or have just finished): wait for its copy.
+            if (dst / "manifest.json").exists():
+                break
+            if not busy(dst) or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
     read_manifest(dst)
     return dst
