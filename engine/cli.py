@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",
                    help="store projection weights quantized (fp8-block keeps a block-FP8 source's values)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--resume", action="store_true",
+                   help="continue the interrupted conversion staged in DST.partial (same options)")
+    c.add_argument("--threads", type=int, metavar="N",
+                   help="source tensors read, transformed and hashed at once (default: cores, at most 8)")
     # --mesh: write the arrays laid out (chunked) for that mesh; any mesh can load them.
     _add_mesh_arg(c)
     _add_process_args(c)
@@ -243,9 +247,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from dayzero.convert import convert_checkpoint
 
     placement = _placement(args.mesh)
+    stats: dict = {}
     dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress,
-                             quantize=args.quantize, placement=placement)
-    print(f"converted {args.src} -> {dst}", file=sys.stderr)
+                             quantize=args.quantize, placement=placement, resume=args.resume,
+                             threads=args.threads, stats=stats)
+    print(f"converted {args.src} -> {dst}: {stats['bytes_read'] / 1e6:.1f} MB read in {stats['seconds']:.1f} s "
+          f"({stats['mb_per_s']:.1f} MB/s, {stats['threads']} threads)", file=sys.stderr)
     return 0
 
 
