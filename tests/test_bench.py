@@ -74,3 +74,56 @@ def test_bad_bench_options_are_one_clear_error(tiny_model, capsys, args, fragmen
     assert main(["bench", "--model", str(tiny_model.dir), "--repeats", "1", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith("dayzero: error:") and fragment in err and "Traceback" not in err
+
+
+def _serve_load():
+    """bench/serve_load.py as a module (bench/ is scripts, not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "bench" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_load_statistics_match_hand_computed_values():
+    """Throughput, TTFT and TPOT percentiles of bench/serve_load.py on synthetic timings, against
+    values worked out by hand (errored requests excluded from every figure)."""
+    m = _serve_load()
+    R = m.Result
+    results = [R(sent=0.0, first=0.5, last=2.5, tokens=5),  # TTFT 0.5 s, TPOT 2.0 / 4 = 0.5 s
+               R(sent=1.0, first=1.1, last=1.4, tokens=4),  # TTFT 0.1 s, TPOT 0.3 / 3 = 0.1 s
+               R(sent=2.0, first=2.3, last=3.9, tokens=5),  # TTFT 0.3 s, TPOT 1.6 / 4 = 0.4 s
+               R(sent=3.0, error="boom")]
+    s = m.summarize(results, start=0.0, end=4.0)
+    assert (s["requests"], s["errors"], s["error_kinds"]) == (3, 1, ["boom"])
+    assert s["req_s"] == pytest.approx(3 / 4) and s["out_tok_s"] == pytest.approx(14 / 4)
+    # sorted TTFTs 100, 300, 500 ms: p50 the middle one; p99 = 300 + 0.98 * (500 - 300)
+    assert s["ttft_p50_ms"] == pytest.approx(300) and s["ttft_p99_ms"] == pytest.approx(496)
+    # sorted TPOTs 100, 400, 500 ms: p99 = 400 + 0.98 * 100
+    assert s["tpot_p50_ms"] == pytest.approx(400) and s["tpot_p99_ms"] == pytest.approx(498)
+    assert m.tpot(R(sent=0.0, first=1.0, last=1.0, tokens=1)) is None
+
+
+def test_serve_load_refuses_bad_arguments_and_fills_in_dayzero_shapes(capsys):
+    m = _serve_load()
+    args = m.parse_args(["--clients", "1,4,16", "--prompt-len", "100"])
+    assert args.clients == [1, 4, 16] and args.slots == 16 and args.max_chunk == 128
+    for bad, said in ((["--clients", "1,x"], "comma-separated"), (["--new-tokens", "1"], "at least 2"),
+                      (["--servers", "vllm"], "unknown")):
+        with pytest.raises(SystemExit):
+            m.parse_args(bad)
+        assert said in capsys.readouterr().err
+
+
+def test_serve_load_prompts_have_the_asked_length_and_share_no_prefix():
+    m = _serve_load()
+    words = [f"w{i}" for i in range(50)]
+    prompts = m.make_prompts(words, 10, 20, seed=3)
+    assert prompts == m.make_prompts(words, 10, 20, seed=3)  # deterministic: both servers get these
+    assert all(len(p.split()) == 10 and p.startswith(" ") for p in prompts)
+    assert len({p.split()[0] + p.split()[1] for p in prompts}) > 15
