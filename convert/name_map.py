@@ -111,7 +111,8 @@ def key_in_group(target: str) -> tuple[str, ...]:
     return parts[2:] if parts[0] == "layers" else parts
 
 
-# --- Hugging Face (llama / mistral / qwen2 / qwen3 / mixtral / qwen3_moe / deepseek / glm4_moe) ---
+# --- Hugging Face (llama / mistral / qwen2 / qwen3 / mixtral / qwen3_moe / deepseek / glm4_moe /
+# minimax_m2) ---
 
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a derived buffer old checkpoints saved
 
@@ -145,15 +146,24 @@ _PER_EXPERT_NAMES = {
     Family.KIMI_K2: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.DEEPSEEK_V32: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.GLM4_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    Family.MINIMAX_M2: _ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
 }
 
 
-def _deepseek_router_extras(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
-    """DeepSeek-V3's selection bias ``mlp.gate.e_score_correction_bias`` and shared experts,
-    stored alike in the per-expert and fused layouts."""
+def _score_bias_name(c: ModelConfig, block: str) -> str:
+    """Where the selection bias lives under ``block``: DeepSeek's in the router
+    (``mlp.gate.e_score_correction_bias``), MiniMax-M2's beside it (``block_sparse_moe.`` or, in
+    transformers 5's fused layout, ``mlp.e_score_correction_bias``)."""
+    owner = block if c.family is Family.MINIMAX_M2 else f"{block}.gate"
+    return f"{owner}.e_score_correction_bias"
+
+
+def _deepseek_router_extras(c: ModelConfig, src: str, dst: str, block: str = "mlp") -> list[Recipe]:
+    """The selection bias (see :func:`_score_bias_name`; ``block`` is the MoE block's name in this
+    layout) and DeepSeek-V3's shared experts, stored alike in the per-expert and fused layouts."""
     r = []
     if c.moe.score_bias:
-        r.append(Recipe(dst + "mlp/score_bias", src + "mlp.gate.e_score_correction_bias", (c.moe.num_experts,)))
+        r.append(Recipe(dst + "mlp/score_bias", _score_bias_name(c, src + block), (c.moe.num_experts,)))
     if c.moe.shared_experts:
         D, F = c.hidden_size, c.moe.shared_experts * c.moe.intermediate_size
         for name, shape in (("gate", (F, D)), ("up", (F, D)), ("down", (D, F))):
@@ -176,7 +186,7 @@ def _hf_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
         Recipe(dst + "mlp/gate", per_expert(n.gate), (F, D), (T.transpose,), Combine.STACK),
         Recipe(dst + "mlp/up", per_expert(n.up), (F, D), (T.transpose,), Combine.STACK),
         Recipe(dst + "mlp/down", per_expert(n.down), (D, F), (T.transpose,), Combine.STACK),
-    ] + _deepseek_router_extras(c, src, dst)
+    ] + _deepseek_router_extras(c, src, dst, n.block)
 
 
 def _hf_fused_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
@@ -250,7 +260,11 @@ def _hf_gqa(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
                             (partial(T.split_bias, heads=n, head_dim=H),)))
     if c.o_bias:
         r.append(Recipe(dst + "attn/o_bias", src + "self_attn.o_proj.bias", (D,)))
-    if c.qk_norm:
+    if c.qk_norm_all_heads:  # one weight over all heads [n*H], kept head-split [n,H] like q and k
+        for name, n in (("q", N), ("k", K)):
+            r.append(Recipe(dst + f"attn/{name}_norm", src + f"self_attn.{name}_norm.weight", (n * H,),
+                            (partial(T.split_bias, heads=n, head_dim=H),)))
+    elif c.qk_norm:
         r.append(Recipe(dst + "attn/q_norm", src + "self_attn.q_norm.weight", (H,)))
         r.append(Recipe(dst + "attn/k_norm", src + "self_attn.k_norm.weight", (H,)))
     return r
@@ -280,7 +294,8 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
-    """The multi-token-prediction modules of DeepSeek-V3 and GLM-4.5 (``num_nextn_predict_layers``),
+    """The multi-token-prediction modules of DeepSeek-V3 and GLM-4.5 (``num_nextn_predict_layers``;
+    MiniMax-M2's ``num_mtp_modules`` x ``mtp_transformer_layers`` alike),
     stored as layers num_layers and up: plain decoding never runs them (speculative decoding with
     them is not implemented), so they are skipped, as HF's own ``*ForCausalLM`` skips them when
     loading; ``dayzero check`` counts them as ignored, and the converted config keeps
@@ -291,8 +306,8 @@ def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
 
 def hf_name_map(c: ModelConfig) -> NameMap:
     """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral,
-    qwen3_moe, deepseek_v3, kimi_k2, deepseek_v32 and glm4_moe families; MoE experts per expert, or
-    fused as an alternative layout."""
+    qwen3_moe, deepseek_v3, kimi_k2, deepseek_v32, glm4_moe and minimax_m2 families; MoE experts per
+    expert, or fused as an alternative layout."""
 
     def ignored(name: str) -> bool:
         # A tied model may still carry a copy of the embedding as lm_head.weight: it is not read.

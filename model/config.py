@@ -29,6 +29,9 @@ class Family(enum.Enum):
     DEEPSEEK_V32 = "deepseek_v32"  # DeepSeek-V3 plus DeepSeek Sparse Attention (see DSAConfig)
     # GLM-4.5/4.6/4.7: GQA with q/k/v biases, optional q/k norms and partial RoPE, DeepSeek-V3 routing
     GLM4_MOE = "glm4_moe"
+    # MiniMax-M2/M2.1: GQA with q/k RMSNorm over all heads together, partial RoPE, sigmoid routing
+    # with a selection bias in every layer (no groups, no shared experts)
+    MINIMAX_M2 = "minimax_m2"
 
 
 class AttentionKind(enum.Enum):
@@ -184,6 +187,9 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # The q (k) norm takes one RMS over all N (K) heads of a token, its weight [N,H] ([K,H]),
+    # instead of one per head with a shared [H] weight (MiniMax-M2's "per_layer" q/k norm).
+    qk_norm_all_heads: bool = False
     # Per layer: None for full causal attention, else the sliding window length.
     sliding_windows: tuple[int | None, ...] = ()
     bos_token_id: int | None = None
@@ -216,6 +222,8 @@ class ModelConfig:
                 "sparse attention needs latent attention with a q LoRA (q_lora_rank) and "
                 f"index_head_dim={self.dsa.head_dim} >= qk_rope_head_dim"
             )
+        if self.qk_norm_all_heads and not self.qk_norm:
+            raise ConfigError("qk_norm_all_heads=True needs qk_norm=True (it says how the q/k norm is taken)")
         rotary = self.rope.rotary_dim(self.head_dim)
         if not 0 < self.rope.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2:
             raise ConfigError(

@@ -47,6 +47,10 @@ class _Traits:
     # value where neither the config nor its RoPE parameters set it.
     partial_rotary: bool = False
     rotary_fraction: float = 1.0
+    # MiniMax-M2: one q (k) RMSNorm over all heads of a token ("per_layer"), sigmoid routing with a
+    # selection bias in every layer (no groups, scaling or shared experts), full attention in
+    # every layer, partial RoPE also given as ``rotary_dim``, MTP modules as num_mtp_modules.
+    minimax: bool = False
 
 
 _TRAITS = {
@@ -65,6 +69,11 @@ _TRAITS = {
                              partial_rotary=True, rotary_fraction=0.5,
                              defaults=(("norm_topk_prob", True), ("n_shared_experts", 1),
                                        ("first_k_dense_replace", 1), ("num_nextn_predict_layers", 1))),
+    # HF MiniMaxM2Config: its defaults where the generic ones differ (head_dim is not D/N there).
+    Family.MINIMAX_M2: _Traits(qk_norm=True, moe=True, partial_rotary=True, minimax=True,
+                               defaults=(("head_dim", 128), ("rope_theta", 5000000.0),
+                                         ("num_local_experts", 256), ("num_experts_per_tok", 8),
+                                         ("max_position_embeddings", 196608))),
 }
 
 
@@ -125,7 +134,16 @@ def _parse_rope(r: _Reader, head_dim: int, max_pos: int, traits: _Traits) -> Rop
             f"partial_rotary_factor={top_level} and rope_parameters' partial_rotary_factor={partial} "
             "disagree; keep one of them"
         )
-    partial = float(partial if partial is not None else top_level if top_level is not None else traits.rotary_fraction)
+    partial = partial if partial is not None else top_level
+    rotary_dim = r.get("rotary_dim") if traits.minimax else None
+    if rotary_dim is not None:  # MiniMax-M2's legacy spelling of the same fraction (as HF reads it)
+        if partial is not None and partial * head_dim != rotary_dim:
+            raise ConfigError(
+                f"rotary_dim={rotary_dim} and partial_rotary_factor={partial} disagree for head_dim="
+                f"{head_dim}; keep one of them"
+            )
+        partial = rotary_dim / head_dim
+    partial = float(partial if partial is not None else traits.rotary_fraction)
     if partial != 1.0 and not traits.partial_rotary:
         raise ConfigError(
             f"partial_rotary_factor={partial} is not supported for model_type={r.raw.get('model_type')!r}, "
@@ -259,6 +277,63 @@ def _deepseek_moe(r: _Reader, num_layers: int) -> MoEConfig:
     )
 
 
+# MiniMax-M2 keys that HF's minimax_m2 does not read: each is accepted only at the value that
+# describes what that implementation computes, so a checkpoint meaning otherwise is refused.
+_MINIMAX_FIXED = {
+    "use_qk_norm": True,  # HF always norms q and k
+    "qk_norm_type": "per_layer",  # one RMS over all heads of a token ("per_head" would be Qwen3's)
+    "scoring_func": "sigmoid",
+    "use_routing_bias": True,  # e_score_correction_bias in every layer
+    "shared_intermediate_size": 0,  # no shared expert
+    "attention_bias": False,
+    "use_sliding_window": False,
+}
+
+
+def _minimax_checks(r: _Reader, num_layers: int) -> None:
+    """Refuse what HF's minimax_m2 would silently compute differently from what the file says:
+    fixed keys off their value, a sliding window, or a layer that is not full softmax attention."""
+    for key, allowed in _MINIMAX_FIXED.items():
+        if r.get(key, allowed) != allowed:
+            raise ConfigError(
+                f"{key}={r.raw[key]!r} is not supported for minimax_m2, whose HF implementation computes "
+                f"{key}={allowed!r}; fix the config or use the model_type it was written for"
+            )
+    r.seen.add("shared_moe_mode")  # how a shared expert would be gated: there is none
+    r.seen.add("auto_map")  # code pointers of the hub's remote implementation, never run
+    if r.get("sliding_window") is not None:
+        raise ConfigError(f"sliding_window={r.raw['sliding_window']!r} is not supported for minimax_m2 "
+                          "(HF's minimax_m2 attends over all tokens in every layer); set it to null")
+    types = r.get("attn_type_list")
+    if types is not None and (len(types) != num_layers or any(t != 1 for t in types)):
+        raise ConfigError(
+            f"attn_type_list={types!r} must be 1 (full softmax attention) for each of {num_layers} layers; "
+            "MiniMax-01's lightning (linear) attention layers (0) are not supported"
+        )
+    layer_types = r.get("layer_types")
+    if layer_types is not None and (len(layer_types) != num_layers or set(layer_types) != {"full_attention"}):
+        raise ConfigError(f"layer_types={layer_types!r} must be 'full_attention' for each of {num_layers} layers "
+                          "for minimax_m2")
+
+
+def _minimax_moe(r: _Reader, num_layers: int) -> MoEConfig:
+    """MiniMax-M2 routing (HF MiniMaxM2TopKRouter): sigmoid scores, the top-k of scores plus
+    ``e_score_correction_bias`` chosen, their unbiased scores renormalised to sum 1; no groups,
+    no scaling, no shared expert; every layer sparse, experts ``intermediate_size`` wide."""
+    return MoEConfig(
+        _num_experts(r), int(r.require("num_experts_per_tok")), int(r.require("intermediate_size")),
+        (True,) * num_layers, score=RouterScore.SIGMOID, renormalize=True, score_bias=True,
+    )
+
+
+def _minimax_mtp_layers(r: _Reader) -> int:
+    """MiniMax-M2's multi-token-prediction modules (``use_mtp``, ``num_mtp_modules`` of
+    ``mtp_transformer_layers`` layers each): counted so the converter skips and lists their
+    tensors, stored like DeepSeek's after the last layer; plain decoding never runs them."""
+    modules, depth = int(r.get("num_mtp_modules", 0)), int(r.get("mtp_transformer_layers", 1))
+    return modules * depth if r.get("use_mtp", False) else 0
+
+
 def _parse_mla(r: _Reader, num_heads: int) -> MLAConfig:
     """Latent attention sizes; HF's derived ``head_dim`` / ``qk_head_dim`` must agree with them."""
     mla = MLAConfig(
@@ -301,6 +376,9 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
         return None
     q = {k: v for k, v in q.items() if k != "modules_to_not_convert"}  # the converter sees which are FP8
     block = q.pop("weight_block_size", None)
+    # MiniMax-M2 spells DeepSeek's "e4m3" as the dtype's name: the same float8_e4m3fn values.
+    if q.get("fmt") == "float8_e4m3fn":
+        q["fmt"] = "e4m3"
     expected = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
     if any(q.get(k, v) != v for k, v in expected.items()) or set(q) - set(expected) or not (
             isinstance(block, (list, tuple)) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
@@ -318,6 +396,8 @@ def _parse_moe(r: _Reader, family: Family, num_layers: int) -> MoEConfig | None:
     r.seen.update(_MOE_TRAINING_ONLY)
     if _TRAITS[family].deepseek_moe:
         return _deepseek_moe(r, num_layers)
+    if _TRAITS[family].minimax:
+        return _minimax_moe(r, num_layers)
     num_experts = _num_experts(r)
     top_k = int(r.require("num_experts_per_tok"))
     if family is Family.MIXTRAL:  # every layer sparse, experts as wide as intermediate_size
@@ -346,7 +426,9 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         ) from None
     traits = _TRAITS[family]
     # A family's HF defaults fill only the keys the file leaves out (or sets to null).
-    r = _Reader({**raw, **{k: v for k, v in traits.defaults if raw.get(k) is None}})
+    filled = {k: v for k, v in traits.defaults if raw.get(k) is None}
+    r = _Reader({**raw, **filled})
+    r.seen.update(filled)  # not the file's keys: never reported as unhandled, even where unread
     r.seen.add("model_type")
     for key, allowed in _REQUIRED_VALUES.items():
         if r.get(key, allowed[0]) not in allowed:
@@ -361,6 +443,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     attention_bias = bool(r.get("attention_bias", False))
     r.seen.add("quantization_config")
     fp8_block_size(raw)  # validated here, applied by the converter's reader
+    if traits.minimax:
+        _minimax_checks(r, num_layers)
     if traits.mla:
         # Code pointers of the hub's remote implementation, which dayzero never runs.
         r.seen.add("auto_map")
@@ -380,14 +464,16 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         qkv_bias=attention_bias or traits.qkv_bias,
         o_bias=attention_bias and traits.o_bias_key,
         qk_norm=traits.qk_norm or (traits.qk_norm_key and bool(r.get("use_qk_norm", False))),
-        sliding_windows=_sliding_windows(r, family, num_layers),
+        qk_norm_all_heads=traits.minimax,
+        sliding_windows=(None,) * num_layers if traits.minimax else _sliding_windows(r, family, num_layers),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=_token_ids(raw.get("eos_token_id")),
         moe=_parse_moe(r, family, num_layers),
         attention=AttentionKind.MLA if mla else AttentionKind.GQA,
         mla=mla,
         dsa=_parse_dsa(r) if traits.dsa else None,
-        mtp_layers=int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.deepseek_moe else 0,
+        mtp_layers=_minimax_mtp_layers(r) if traits.minimax else
+        int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.deepseek_moe else 0,
     )
     leftover = r.leftover()
     if leftover:

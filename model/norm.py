@@ -1,4 +1,4 @@
-"""RMSNorm, shared by the decoder layers and the latent-attention block."""
+"""RMSNorm, shared by the decoder layers, the q/k norms and the latent-attention block."""
 
 from __future__ import annotations
 
@@ -6,8 +6,14 @@ import jax
 import jax.numpy as jnp
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in fp32, scaled by ``weight`` in the input dtype (as HF Llama does)."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axes: int | tuple[int, ...] = -1) -> jax.Array:
+    """RMSNorm computed in fp32, scaled by ``weight`` in the input dtype (as HF Llama does).
+
+    ``axes``: the trailing axes one RMS is taken over (``(-2, -1)``: over all heads of a token
+    [..., N, H] together, with a weight [N, H], as MiniMax-M2's q/k norms). On a mesh whose heads
+    are split the mean is over the whole logical array, so XLA sums the squares across devices:
+    one RMS per token, never one per shard.
+    """
     x32 = x.astype(jnp.float32)
-    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=axes, keepdims=True) + eps)
     return weight * normed.astype(x.dtype)

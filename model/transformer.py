@@ -132,8 +132,10 @@ def attention_block(
     if w.q_bias is not None:
         q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
     if w.q_norm is not None:
-        q = rms_norm(q, w.q_norm, config.rms_norm_eps)
-        k = rms_norm(k, w.k_norm, config.rms_norm_eps)
+        # One RMS per head, or per token over all its heads (weights [N,H] / [K,H]).
+        axes = (-2, -1) if config.qk_norm_all_heads else -1
+        q = rms_norm(q, w.q_norm, config.rms_norm_eps, axes)
+        k = rms_norm(k, w.k_norm, config.rms_norm_eps, axes)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if isinstance(layer_cache, KernelLayer):

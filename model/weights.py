@@ -71,8 +71,8 @@ class AttentionWeights:
     k_bias: Any = None  # [K,H]
     v_bias: Any = None  # [K,H]
     o_bias: Any = None  # [D]
-    q_norm: Any = None  # [H] (Qwen3)
-    k_norm: Any = None  # [H] (Qwen3)
+    q_norm: Any = None  # [H] (Qwen3), or [N,H] with qk_norm_all_heads (MiniMax-M2)
+    k_norm: Any = None  # [H] (Qwen3), or [K,H] with qk_norm_all_heads (MiniMax-M2)
 
 
 @struct.dataclass
@@ -168,9 +168,19 @@ def _attention_specs(c: ModelConfig) -> AttentionWeights:
         k_bias=bias((K, H), ("kv_heads", "head_dim")) if c.qkv_bias else None,
         v_bias=bias((K, H), ("kv_heads", "head_dim")) if c.qkv_bias else None,
         o_bias=bias((D,), ("embed",)) if c.o_bias else None,
-        q_norm=ParamSpec((H,), ("head_dim",), Init.ONES) if c.qk_norm else None,
-        k_norm=ParamSpec((H,), ("head_dim",), Init.ONES) if c.qk_norm else None,
+        q_norm=_qk_norm_spec(c, N, "q_heads"),
+        k_norm=_qk_norm_spec(c, K, "kv_heads"),
     )
+
+
+def _qk_norm_spec(c: ModelConfig, heads: int, axis: str) -> ParamSpec | None:
+    """A q or k norm weight: [H] shared by the heads (Qwen3), or [heads,H] over all heads together
+    (MiniMax-M2), split across devices like the heads it scales."""
+    if not c.qk_norm:
+        return None
+    if c.qk_norm_all_heads:
+        return ParamSpec((heads, c.head_dim), (axis, "head_dim"), Init.ONES)
+    return ParamSpec((c.head_dim,), ("head_dim",), Init.ONES)
 
 
 def _mla_specs(c: ModelConfig) -> MLAWeights:

@@ -125,6 +125,9 @@ def choice_gap(logits: np.ndarray, bias, moe: MoEConfig) -> float:
     if bias is None:
         s = np.sort(logits, axis=-1)
         return float((s[:, -C] - s[:, -C - 1]).min())
+    if moe.num_groups == 1:  # MiniMax-M2: the C-th against the (C+1)-th biased sigmoid score
+        s = np.sort(1 / (1 + np.exp(-logits.astype(np.float64))) + np.asarray(bias), axis=-1)
+        return float((s[:, -C] - s[:, -C - 1]).min())
     assert moe.groups_per_token == 1, "only one kept group is handled here"
     grouped = (1 / (1 + np.exp(-logits.astype(np.float64))) + np.asarray(bias)).reshape(len(logits), moe.num_groups, -1)
     group_scores = np.sort(grouped, -1)[..., -2:].sum(-1)
@@ -240,6 +243,100 @@ def part_glm() -> dict:
     return out
 
 
+def minimax_config():
+    """The tiny config as MiniMax-M2 builds it: one q (k) RMSNorm over all 8 heads of a token, half
+    of each 8-wide head rotated, sigmoid routing with a selection bias in every layer (top-2 of 8,
+    renormalised, no groups or shared experts)."""
+    from dayzero.model.config import Family, RouterScore
+
+    moe = MoEConfig(num_experts=8, experts_per_token=2, intermediate_size=32, layers=(True, True),
+                    score=RouterScore.SIGMOID, score_bias=True)
+    base = _tiny_config()
+    return replace(base, family=Family.MINIMAX_M2, qk_norm=True, qk_norm_all_heads=True, moe=moe,
+                   rope=replace(base.rope, partial_rotary_factor=0.5))
+
+
+def minimax_weights(config):
+    """Random weights, norms and selection biases, the q and k heads scaled unevenly (x1/4 to x4):
+    an RMS over each tensor=4 shard's two heads then differs from the one over all eight by far
+    more than rounding."""
+    keys = iter(jax.random.split(jax.random.key(5), 64))
+    weights = init_weights(abstract_weights(config), next(keys), scale=0.1)
+    weights = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(next(keys), w.shape, w.dtype), weights)
+    scale = jnp.asarray([4.0, 2.0, 1.0, 0.5, 0.25, 1.0, 2.0, 4.0])[None, :, None]
+    layers = tuple(replace(layer, attn=replace(layer.attn, q=layer.attn.q * scale, k=layer.attn.k * scale[:, ::-1]))
+                   for layer in weights.layers)
+    return replace(weights, layers=layers)
+
+
+def per_shard_norm(shards: int):
+    """A stand-in for ``transformer.rms_norm`` that takes the all-heads q/k norm over each of
+    ``shards`` slices of the heads, as a tensor-parallel port that forgot to sum the squares across
+    devices would; other norms unchanged."""
+    import dayzero.model.transformer as transformer
+
+    real_norm = transformer.rms_norm
+
+    def norm(x, w, eps, axes=-1):
+        if axes == -1:
+            return real_norm(x, w, eps)
+        *lead, n, h = x.shape
+        return real_norm(x.reshape(*lead, shards, n // shards * h), w.reshape(shards, -1), eps).reshape(x.shape)
+
+    return norm
+
+
+def part_minimax_norm() -> dict:
+    """MiniMax-M2's attention block (all-heads q/k norm, partial RoPE) with its heads split over
+    tensor=4 (x data=2) against one device, and how far a per-shard norm would move it (the check's
+    power). One block with numpy-drawn weights, so the check costs little more than jax's start."""
+    import dayzero.model.transformer as transformer
+    from dayzero.model.rope import rope_cos_sin
+    from dayzero.model.weights import ParamSpec
+
+    config = minimax_config()
+    rng = np.random.default_rng(0)
+    spec = abstract_weights(config).layers[0].attn
+    attn = jax.tree.map(lambda p: (0.3 * rng.standard_normal(p.shape) + (p.init.value == "ones")).astype(np.float32),
+                        spec, is_leaf=lambda p: isinstance(p, ParamSpec))
+    scale = np.asarray([4.0, 2.0, 1.0, 0.5, 0.25, 1.0, 2.0, 4.0], np.float32)[None, :, None]
+    attn = replace(attn, q=attn.q * scale, k=attn.k * scale[:, ::-1])
+    x = rng.standard_normal((2, 12, config.hidden_size)).astype(np.float32)
+    positions = np.broadcast_to(np.arange(12, dtype=np.int32), (2, 12))
+    cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, 12)
+    masks = transformer.attention_masks(np.zeros(2, np.int32), np.full(2, 12, np.int32), 12, None, None)
+    block = lambda a, h: transformer.attention_block(a, config, h, cos_sin, None, masks)[0]  # noqa: E731
+    ref = np.asarray(jax.jit(block)(attn, x))
+    placement = placement_for({"data": 2, "tensor": 4})
+    on_mesh = jax.device_put(attn, placement.shardings(abstract_weights(config)).layers[0].attn)
+    out = {"dp2tp4_err": rel_err(jax.jit(block)(on_mesh, placement.replicate(x)), ref),
+           "q_norm_spec": [str(a) for a in on_mesh.q_norm.sharding.spec],
+           "k_norm_spec": [str(a) for a in on_mesh.k_norm.sharding.spec]}
+    real_norm, transformer.rms_norm = transformer.rms_norm, per_shard_norm(4)
+    try:
+        # A new function, so jit traces it again (the cache is keyed on the function).
+        out["per_shard_err"] = rel_err(jax.jit(lambda a, h: block(a, h))(attn, x), ref)
+    finally:
+        transformer.rms_norm = real_norm
+    return out
+
+
+def part_minimax() -> dict:
+    """MiniMax-M2's blocks on data=2 x tensor=4 and tensor=2 x expert=4: all-position logits as on
+    one device, and generation on data=2 x tensor=4 as on one device."""
+    config = minimax_config()
+    weights = minimax_weights(config)
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, config.vocab_size)
+    ref, gap = logits_and_router_gap(config, weights, tokens)
+    out = {"router_gap": gap}
+    for name, axes in (("dp2tp4", {"data": 2, "tensor": 4}), ("tp2ep4", {"tensor": 2, "expert": 4})):
+        out[name] = {"err": rel_err(sharded_logits(config, weights, tokens, axes, True), ref)}
+    dp2tp4 = placement_for({"data": 2, "tensor": 4})
+    out["dp2tp4"]["generate"] = compare(generation(Engine(config, weights)),
+                                        generation(Engine(config, weights, placement=dp2tp4)))
+    return out
+
+
 def part_checkpoint(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
     """``one_device_dir`` (converted without a mesh) loaded into tensor=8; ``hf_dir`` converted here
     for data=2 x tensor=4 into ``mesh_dir`` and loaded on one device."""
@@ -301,7 +398,8 @@ def cli_on_mesh(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
             "verify_rc": vrc, "verify_passed": report["passed"]}
 
 
-PARTS = {"dense": part_dense, "moe": part_moe, "glm": part_glm, "checkpoint": part_checkpoint}
+PARTS = {"dense": part_dense, "moe": part_moe, "glm": part_glm, "checkpoint": part_checkpoint,
+         "minimax": part_minimax, "minimax_norm": part_minimax_norm}
 
 if __name__ == "__main__":
     print(json.dumps(PARTS[sys.argv[1]](*sys.argv[2:])))

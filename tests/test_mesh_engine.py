@@ -5,7 +5,10 @@ latent cache split over positions (never gathered). MoE (8 experts, top-2): expe
 tensor=2 x expert=4 logits through the expert-parallel dispatch, each device holding and
 computing only its own experts, generation on expert=8, and the capacity policy. GLM-4.5's blocks
 (q/k/v biases, q/k norms, partial RoPE, DeepSeek-V3 routing with shared experts; slow: its own
-subprocess, ~75 s here): logits and generation on tensor=2 x expert=4. Every mesh
+subprocess, ~75 s here): logits and generation on tensor=2 x expert=4. MiniMax-M2's blocks (q/k
+norms over all heads, split over tensor; slow, likewise): logits on data=2 x tensor=4 and
+tensor=2 x expert=4, generation on data=2 x tensor=4 (the cheap one-block norm check is in
+test_minimax_m2.py). Every mesh
 engine: no compilation during decode steps after the first. The checks run in one subprocess per
 model (``tests/mesh_checks.py``), since the device count is fixed when jax starts.
 """
@@ -34,8 +37,14 @@ def glm():
     return run_part("glm", fast_compile=True)
 
 
+@pytest.fixture(scope="module")
+def minimax():
+    return run_part("minimax", fast_compile=True)
+
+
 def _moe_case(request, name: str) -> dict:
-    """The results of ``name``: a mesh of the 8-expert model, or "glm/<mesh>" of the GLM model."""
+    """The results of ``name``: a mesh of the 8-expert model, or "glm/<mesh>" ("minimax/<mesh>")
+    of the GLM (MiniMax-M2) model."""
     model, _, mesh = name.rpartition("/")
     return request.getfixturevalue(model)[mesh] if model else request.getfixturevalue("moe")[mesh]
 
@@ -57,13 +66,16 @@ def test_kv_cache_is_laid_out_by_its_logical_axes(dense):
     assert dense["dp2tp4"]["k_cache_spec"] == ["data", "tensor", "None", "None"]
 
 
-@pytest.mark.parametrize("model", ["moe", pytest.param("glm", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["moe", pytest.param("glm", marks=pytest.mark.slow),
+                                   pytest.param("minimax", marks=pytest.mark.slow)])
 def test_moe_router_has_clear_choices(request, model):
     # A near-tie would be decided by rounding and test nothing about the dispatch.
     assert request.getfixturevalue(model)["router_gap"] > 1e-4
 
 
-@pytest.mark.parametrize("mesh", ["ep8", "tp2ep4", pytest.param("glm/tp2ep4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh", ["ep8", "tp2ep4", pytest.param("glm/tp2ep4", marks=pytest.mark.slow),
+                                  pytest.param("minimax/dp2tp4", marks=pytest.mark.slow),
+                                  pytest.param("minimax/tp2ep4", marks=pytest.mark.slow)])
 def test_expert_parallel_logits_match_one_device(request, mesh):
     assert _moe_case(request, mesh)["err"] < FP32_ROUNDING
 
@@ -78,7 +90,8 @@ def test_each_device_holds_and_computes_only_its_experts(moe):
     assert gate == up == [2, 64, 16] and down == [2, 16, 64]
 
 
-@pytest.mark.parametrize("mesh", ["ep8", pytest.param("glm/tp2ep4", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("mesh", ["ep8", pytest.param("glm/tp2ep4", marks=pytest.mark.slow),
+                                  pytest.param("minimax/dp2tp4", marks=pytest.mark.slow)])
 def test_expert_parallel_generation_matches_one_device(request, mesh):
     gen = _moe_case(request, mesh)["generate"]
     assert gen["same_tokens"] and gen["logprob_diff"] < 1e-5
