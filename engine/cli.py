@@ -131,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logprobs", action="store_true", help="with --json, add each token's log-probability")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--speculative", choices=["ngram"],
+                   help="speculative decoding with this drafter (ngram: prompt lookup); same output distribution")
+    g.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
+    g.add_argument("--ngram", metavar="MIN,MAX", help="suffix lengths the ngram drafter looks up (default 2,4)")
     _add_quant_args(g)
     _add_mesh_arg(g)
     _add_compile_cache_arg(g)
@@ -267,6 +271,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
+    speculative = _speculative(args)
     engine = Engine.load(args.model, placement=placement, **options_from_args(args))
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     result = engine.generate(
@@ -276,6 +281,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         chat=args.chat,
         logprobs=args.logprobs,
         on_text=stream,
+        speculative=speculative,
     )
     if args.json:
         out = result.to_json()
@@ -286,6 +292,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         print()
     return 0
+
+
+def _speculative(args: argparse.Namespace):
+    """``generate``'s speculative-decoding options as a ``SpecConfig`` (None without ``--speculative``)."""
+    from dayzero.engine.speculative import SpecConfig
+
+    if args.speculative is None:
+        if args.num_draft_tokens is not None or args.ngram is not None:
+            raise CommandError("--num-draft-tokens and --ngram set speculative decoding; add --speculative ngram")
+        return None
+    options = {"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens is not None else {}
+    if args.ngram is not None:
+        try:
+            options["ngram"] = tuple(int(n) for n in args.ngram.split(","))
+        except ValueError:
+            raise CommandError(f"--ngram {args.ngram!r} is not two integers MIN,MAX; pass e.g. --ngram 1,3") from None
+    return SpecConfig(args.speculative, **options)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

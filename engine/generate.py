@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
+from dayzero.engine.speculative import SpecConfig, SpecStats, check_speculative, stream_speculative
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
 from dayzero.engine.runtime import RunConfig, RunConfigError, default_dtype, resolve_run, weights_storage
 from dayzero.kernels import KernelMode
@@ -45,13 +46,15 @@ class GenerationError(ValueError):
 
 @dataclasses.dataclass
 class Completion:
-    """One finished request. ``finish_reason`` is "stop" (an EOS token) or "length"."""
+    """One finished request. ``finish_reason`` is "stop" (an EOS token) or "length".
+    ``speculation``: with speculative decoding, the row's :class:`SpecStats`."""
 
     text: str
     prompt_ids: list[int]
     token_ids: list[int]
     finish_reason: str
     logprobs: list[float] | None = None
+    speculation: SpecStats | None = None
 
     def to_json(self) -> dict:
         """The ``--json`` object of the CLI contract."""
@@ -63,6 +66,8 @@ class Completion:
         }
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
+        if self.speculation is not None:
+            out["speculative"] = self.speculation.to_json()
         return out
 
 
@@ -308,25 +313,31 @@ class Engine:
         logprobs: bool = False,
         ignore_eos: bool = False,
         on_text: Callable[[int, str], None] | None = None,
+        speculative: SpecConfig | None = None,
     ) -> Completion | list[Completion]:
         """Generate a continuation for one prompt or a batch of prompts of any lengths.
 
         A prompt is text or a list of token ids; a list of those is a batch (one
         :class:`Completion` each, in order). ``sampling`` is shared or one per prompt.
         ``on_text(row, text)`` receives text increments as tokens are produced.
+        ``speculative``: decode speculatively (``dayzero.engine.speculative``), with the same
+        output distribution (greedy: the same tokens); each completion reports its
+        ``speculation`` counts. Refused (``SpeculativeError``) where the verify step cannot run.
         """
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise GenerationError("no prompts given")
         check_max_new_tokens(max_new_tokens)
+        if speculative is not None:
+            check_speculative(self.config, self.run)
         params = [sampling] * len(batch) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(batch):
             raise GenerationError(f"{len(params)} sampling settings for {len(batch)} prompts")
         ids = [self.prompt_ids(p, chat) for p in batch]
         for row in ids:
             self.check_length(row, max_new_tokens)
-        completions = self._generate_ids(ids, max_new_tokens, params, logprobs, ignore_eos, on_text)
+        completions = self._generate_ids(ids, max_new_tokens, params, logprobs, ignore_eos, on_text, speculative)
         return completions[0] if single else completions
 
     def stream_ids(
@@ -386,23 +397,32 @@ class Engine:
             first_lp = lp if first_lp is None else jnp.where(ends_here, lp, first_lp)
         return first_tok, first_lp, cache
 
-    def _generate_ids(self, ids, max_new_tokens, params, want_logprobs, ignore_eos, on_text):
+    def _generate_ids(self, ids, max_new_tokens, params, want_logprobs, ignore_eos, on_text, speculative=None):
         B = len(ids)
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
         done = np.zeros(B, bool)
         stopped = np.zeros(B, bool)
         decoders = [StreamDecoder(self.tokenizer) for _ in range(B)] if on_text and self.tokenizer else None
-        for host_tok, host_lp in self.stream_ids(ids, max_new_tokens, params):
+        stats = [SpecStats() for _ in range(B)] if speculative else None
+        if speculative:
+            stop_ids = () if ignore_eos else self.eos_ids
+            steps = stream_speculative(self, ids, max_new_tokens, params, speculative, stop_ids, stats)
+        else:  # one token per row and step
+            steps = ((t[:, None], lp[:, None], np.ones(B, int)) for t, lp in self.stream_ids(ids, max_new_tokens, params))
+        for host_tok, host_lp, counts in steps:
             for b in np.flatnonzero(~done):
-                out_ids[b].append(int(host_tok[b]))
-                out_lp[b].append(float(host_lp[b]))
-                if decoders:
-                    on_text(int(b), decoders[b].push(host_tok[b]))
-                if not ignore_eos and int(host_tok[b]) in self.eos_ids:
-                    done[b] = stopped[b] = True
-                elif len(out_ids[b]) >= max_new_tokens:
-                    done[b] = True
+                for j in range(counts[b]):
+                    out_ids[b].append(int(host_tok[b, j]))
+                    out_lp[b].append(float(host_lp[b, j]))
+                    if decoders:
+                        on_text(int(b), decoders[b].push(host_tok[b, j]))
+                    if not ignore_eos and int(host_tok[b, j]) in self.eos_ids:
+                        done[b] = stopped[b] = True
+                    elif len(out_ids[b]) >= max_new_tokens:
+                        done[b] = True
+                    if done[b]:
+                        break
             if done.all():
                 break
         for b, decoder in enumerate(decoders or []):
@@ -416,6 +436,7 @@ class Engine:
                 token_ids=out_ids[b],
                 finish_reason="stop" if stopped[b] else "length",
                 logprobs=out_lp[b] if want_logprobs else None,
+                speculation=stats[b] if stats else None,
             )
             for b in range(B)
         ]

@@ -1,0 +1,299 @@
+"""Speculative decoding, lossless: a drafter proposes K tokens, one step of the target model
+checks them all, and the accepted ones (plus one more token of the target's own) are emitted.
+
+- The drafter here is n-gram prompt lookup (:func:`ngram_draft`, host-side numpy): the longest
+  suffix of the sequence so far (``max_n`` tokens down to ``min_n``) that occurred before in the
+  prompt or the generated text proposes the tokens that followed its latest occurrence.
+- The verify step (:func:`verify_step`) feeds each row's last emitted token and its K drafts
+  through the contiguous-cache forward at once (T = K+1, padded; one compile per cache bucket)
+  and gets K+1 rows of logits. :func:`accept_drafts` then applies the acceptance rule: greedy
+  rows accept drafts while they equal the argmax and emit the argmax at the first mismatch (the
+  bonus token when all match); sampled rows run speculative rejection sampling against a point-
+  mass drafter (accept draft x with probability p(x), on rejection draw from p with x removed,
+  renormalised), where p is the distribution ``sampling.sample`` draws from (temperature, top-k,
+  top-p, min-p), so the emitted tokens are distributed exactly as without speculation.
+- Rows advance by different amounts: the cache's per-row lengths are set to what each row
+  accepted (``append_verified``), so rejected positions are ignored and later overwritten.
+- A step in which no row has a draft runs the engine's ordinary one-token decode step.
+
+What cannot run is refused in one place, :func:`speculative_refusal` (see its docstring).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import time
+from typing import TYPE_CHECKING, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.engine.runtime import RunConfig, RunConfigError
+from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, _filter_sorted, batch_sampling
+from dayzero.model.cache import KVCache, LatentCache, NewKV, NewLatent, append_to_cache
+from dayzero.model.config import ModelConfig, RopeType
+from dayzero.model.transformer import forward
+
+if TYPE_CHECKING:  # generate imports this module
+    from dayzero.engine.generate import Engine
+
+__all__ = ["DraftKind", "SpecConfig", "SpecStats", "SpeculativeError", "accept_drafts", "ngram_draft",
+           "speculative_refusal", "stream_speculative", "verify_step"]
+
+
+class SpeculativeError(RunConfigError):
+    """A speculative-decoding setting, or a run it cannot be combined with."""
+
+
+class DraftKind(enum.Enum):
+    """Where draft tokens come from."""
+
+    NGRAM = "ngram"  # prompt lookup: the continuation of an earlier occurrence of the recent suffix
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding settings: the drafter ``kind``, ``num_draft_tokens`` (K, the tokens
+    proposed and verified per step) and, for the n-gram drafter, the suffix lengths ``ngram`` =
+    (min_n, max_n) it looks up, longest first."""
+
+    kind: DraftKind | str = DraftKind.NGRAM
+    num_draft_tokens: int = 4
+    ngram: tuple[int, int] = (2, 4)
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "kind", DraftKind(getattr(self.kind, "value", self.kind)))
+        except ValueError:
+            choices = ", ".join(k.value for k in DraftKind)
+            raise SpeculativeError(f"speculative kind {self.kind!r} is unknown; choose one of {choices}") from None
+        K = self.num_draft_tokens
+        if not isinstance(K, int) or not 1 <= K <= 64:
+            raise SpeculativeError(f"num_draft_tokens={K!r} is invalid; it must be an integer in [1, 64]")
+        n = tuple(self.ngram)
+        if len(n) != 2 or not all(isinstance(x, int) for x in n) or not 1 <= n[0] <= n[1]:
+            raise SpeculativeError(f"ngram={self.ngram!r} is invalid; it must be (min_n, max_n) with 1 <= min_n <= max_n")
+        object.__setattr__(self, "ngram", n)
+
+
+@dataclasses.dataclass
+class SpecStats:
+    """One row's speculation: decode steps after its first token (a verify step, or the plain
+    decode step when no row of the batch had a draft), draft tokens proposed and accepted."""
+
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def to_json(self) -> dict:
+        """The ``"speculative"`` object of ``generate --json``."""
+        rate = self.accepted / self.drafted if self.drafted else 0.0
+        return {"steps": self.steps, "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance_rate": round(rate, 4)}
+
+
+def speculative_refusal(config: ModelConfig, run: RunConfig) -> str | None:
+    """Why speculative decoding cannot run with this model and run configuration (None: it can).
+
+    The verify step is the contiguous-cache forward on one device, so refused are: the Pallas
+    kernels (generation runs on the paged cache there, which has no verify step yet), a mesh
+    (the step's outputs are not pinned to mesh layouts yet), and dynamic-NTK RoPE (its
+    frequencies depend on the longest position seen, which the drafts would move: not lossless).
+    """
+    if run.on_kernels:
+        return (f"speculative decoding runs on the contiguous cache only, not with --kernels {run.kernels.value}; "
+                "use --kernels reference or drop --speculative")
+    if run.placement is not None:
+        return "speculative decoding runs on one device only, not on a --mesh; drop --mesh or --speculative"
+    if config.rope.type is RopeType.DYNAMIC:
+        return ("speculative decoding is not lossless with dynamic-NTK RoPE (draft positions would change the "
+                "frequencies); drop --speculative for this model")
+    return None
+
+
+def check_speculative(config: ModelConfig, run: RunConfig) -> None:
+    """Raise :class:`SpeculativeError` if :func:`speculative_refusal` refuses."""
+    reason = speculative_refusal(config, run)
+    if reason is not None:
+        raise SpeculativeError(reason)
+
+
+# ---- the drafter -----------------------------------------------------------------------------
+
+
+def ngram_draft(seq: np.ndarray, k: int, min_n: int, max_n: int) -> np.ndarray:
+    """Up to ``k`` draft tokens for the sequence ``seq`` [n] (prompt + generated so far).
+
+    Finds the longest suffix of ``seq`` (``max_n`` tokens down to ``min_n``) that also occurs
+    earlier, takes its latest earlier occurrence and proposes the (at most ``k``) tokens that
+    followed it. Returns an empty array when nothing matches.
+    """
+    n_tokens = len(seq)
+    if k <= 0:
+        return seq[:0]
+    for n in range(min(max_n, n_tokens - 1), min_n - 1, -1):
+        # Windows of seq[:-1] start at 0 .. n_tokens-1-n: each has a following token, and the
+        # suffix itself (starting at n_tokens-n) is not one of them.
+        windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+        hits = np.flatnonzero((windows == seq[n_tokens - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return seq[start:start + k]
+    return seq[:0]
+
+
+# ---- the verify step ---------------------------------------------------------------------------
+
+
+def target_logits(logits: jax.Array, rows: RowSampling, mode: SamplingMode) -> jax.Array:
+    """The logits [B,T,V] that ``sampling.sample`` draws each row from: divided by the row's
+    temperature and, in the filtered mode, with top-k/top-p/min-p's rejects at -inf (in
+    vocabulary order). Greedy rows are not drawn from (their temperature is taken as 1)."""
+    B, T, V = logits.shape
+    temperature = jnp.where(rows.temperature > 0, rows.temperature, 1.0)[:, None, None]
+    scaled = logits / temperature
+    if mode is not SamplingMode.FILTERED:
+        return scaled
+    per_position = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), rows)
+    flat = scaled.reshape(B * T, V)
+    order = jnp.argsort(-flat, axis=-1)
+    kept = _filter_sorted(jnp.take_along_axis(flat, order, axis=-1), per_position)
+    unsorted = jnp.zeros_like(flat).at[jnp.arange(B * T)[:, None], order].set(kept).reshape(B, T, V)
+    filtered = (rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)
+    return jnp.where(filtered[:, None, None], unsorted, scaled)
+
+
+def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, rows: RowSampling,
+                  steps: jax.Array, mode: SamplingMode) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The acceptance rule over one verify step's logits [B,K+1,V] (row t: the distribution of
+    the token after input t) for drafts [B,K] of which the first ``num_drafts`` [B] are real.
+
+    Returns (tokens [B,K+1], their log-probabilities under the unmodified distribution [B,K+1],
+    accepted [B]): each row emits ``accepted + 1`` tokens, its accepted drafts then one token of
+    the target's own (the argmax, a residual draw at the first rejection, or the bonus draw).
+    ``steps`` [B]: each row's index of the token after its last emitted one; the token at index
+    s is drawn with the row's key folded with s, as ``sample`` draws it, and its acceptance test
+    with a key derived from that one.
+    """
+    B, T, V = logits.shape
+    K = T - 1
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B,T]
+    has_draft = jnp.arange(K)[None, :] < num_drafts[:, None]
+    accept = (drafts == argmax[:, :K]) & has_draft
+    final = argmax
+    if mode is not SamplingMode.GREEDY:
+        target = target_logits(logits, rows, mode)
+        positions = steps[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        keys = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)))(rows.keys, positions)  # [B,T]
+        # Point-mass drafter: accept draft x with probability p(x) ...
+        probs = jax.nn.softmax(target[:, :K], axis=-1)
+        p_draft = jnp.take_along_axis(probs, drafts[..., None], axis=-1)[..., 0]
+        uniform = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, :K])
+        # ... on rejection draw from normalize(max(0, p - q)): p without x, renormalised.
+        draft_at = jnp.concatenate([jnp.where(has_draft, drafts, -1), jnp.full((B, 1), -1, drafts.dtype)], axis=1)
+        residual = jnp.where(jnp.arange(V)[None, None, :] == draft_at[..., None], -jnp.inf, target)
+        drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, residual).astype(jnp.int32)
+        sampled = (rows.temperature > 0)[:, None]
+        accept = jnp.where(sampled, (uniform < p_draft) & has_draft, accept)
+        final = jnp.where(sampled, drawn, argmax)
+    accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # leading accepts [B]
+    t = jnp.arange(T)[None, :]
+    last = jnp.take_along_axis(final, accepted[:, None], axis=1)
+    padded = jnp.concatenate([drafts, jnp.zeros((B, 1), drafts.dtype)], axis=1)
+    tokens = jnp.where(t < accepted[:, None], padded, last).astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0], accepted.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "mode"))
+def verify_step(weights, tokens, num_new, rows: RowSampling, steps, mode: SamplingMode,
+                cache: KVCache | LatentCache, config: ModelConfig):
+    """The forward over each row's last token and drafts ``tokens`` [B,K+1] (``num_new`` [B] of
+    them real: 0 for a finished row), then :func:`accept_drafts`; returns its three outputs and
+    what ``append_verified`` writes."""
+    logits, new = forward(weights, config, tokens, cache, num_new, all_logits=True)
+    out = accept_drafts(logits, tokens[:, 1:], jnp.maximum(num_new - 1, 0), rows, steps, mode)
+    return (*out, new)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def append_verified(cache: KVCache | LatentCache, new: NewKV | NewLatent, accepted: jax.Array):
+    """Write a verify step's keys/values, then keep of each row only its last token and its
+    ``accepted`` [B] drafts: the rejected positions lie past the row's length, unread, and the
+    next step overwrites them. ``rope_len`` likewise counts kept positions only."""
+    keep = jnp.minimum(new.num_new, accepted + 1)
+    lengths = cache.lengths + keep
+    written = append_to_cache(cache, new)
+    return written.replace(lengths=lengths, rope_len=jnp.maximum(cache.rope_len, jnp.max(lengths)))
+
+
+# ---- the generation loop -----------------------------------------------------------------------
+
+
+def _verify(engine: "Engine", tokens, num_new, rows, steps, mode, cache) -> tuple:
+    """One verify step and its cache write, its first compile counted in ``engine.compile_s``."""
+    key = ("verify", tokens.shape, cache.max_len, mode)
+    start = time.perf_counter()
+    tok, lp, accepted, new = verify_step(engine.weights, jnp.asarray(tokens), jnp.asarray(num_new), rows,
+                                         jnp.asarray(steps), mode, cache, config=engine.config)
+    cache = append_verified(cache, new, accepted)
+    if key not in engine._compiled:
+        jax.block_until_ready(tok)
+        engine.compile_s += time.perf_counter() - start
+        engine._compiled.add(key)
+    return tok, lp, accepted, cache
+
+
+def stream_speculative(engine: "Engine", ids: list[list[int]], max_new_tokens: int, params: list[SamplingParams],
+                       spec: SpecConfig, stop_ids: tuple[int, ...],
+                       stats: list[SpecStats]) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Yield ``(tokens [B,W], logprobs [B,W], counts [B])`` per step: row b's next ``counts[b]``
+    tokens. A row stops after a token in ``stop_ids`` (tokens after it are dropped) or at
+    ``max_new_tokens``; ``stats`` (one per row) is updated as the steps run."""
+    B, K = len(ids), spec.num_draft_tokens
+    min_n, max_n = spec.ngram
+    mode, rows = batch_sampling(params)
+    lengths = np.array([len(r) for r in ids], np.int32)
+    # Room for the drafts past the last kept token: a verify step writes K+1 positions.
+    tok, lp, cache = engine._prefill_chunks(ids, lengths, max_new_tokens + K, rows, mode)
+    seqs = [np.array(r, np.int32) for r in ids]
+    produced = np.zeros(B, np.int64)
+    done = np.zeros(B, bool)
+    tok, lp, counts = np.asarray(tok)[:, None], np.asarray(lp)[:, None], np.ones(B, np.int64)
+    while True:
+        for b in np.flatnonzero(~done):
+            kept = tok[b, : counts[b]]
+            stop = np.flatnonzero(np.isin(kept, stop_ids))
+            n = min(len(kept), max_new_tokens - produced[b], stop[0] + 1 if stop.size else len(kept))
+            counts[b] = n
+            seqs[b] = np.concatenate([seqs[b], kept[:n]])
+            produced[b] += n
+            done[b] = produced[b] >= max_new_tokens or (stop.size > 0 and stop[0] < n)
+        yield tok, lp, counts
+        if done.all():
+            return
+        drafts = np.zeros((B, K), np.int32)
+        num_drafts = np.zeros(B, np.int32)
+        for b in np.flatnonzero(~done):
+            # At most the tokens still wanted, less the one the target adds itself.
+            d = ngram_draft(seqs[b], min(K, max_new_tokens - produced[b] - 1), min_n, max_n)
+            drafts[b, : len(d)], num_drafts[b] = d, len(d)
+            stats[b].steps += 1
+            stats[b].drafted += len(d)
+        last = np.array([s[-1] for s in seqs], np.int32)[:, None]
+        active = (~done).astype(np.int32)
+        if not num_drafts.any():  # nothing to verify: the ordinary one-token decode step
+            t, l, cache = engine._run_step(engine._host(last), cache, engine._host(active), rows,
+                                           produced.astype(np.int32), mode)
+            tok, lp, counts = np.asarray(t)[:, None], np.asarray(l)[:, None], active.astype(np.int64)
+            continue
+        tokens = np.concatenate([last, drafts], axis=1)
+        t, l, accepted, cache = _verify(engine, tokens, active * (1 + num_drafts), rows,
+                                        produced.astype(np.int32), mode, cache)
+        tok, lp, accepted = np.asarray(t), np.asarray(l), np.asarray(accepted)
+        for b in np.flatnonzero(~done):
+            stats[b].accepted += int(accepted[b])
+        counts = np.where(done, 0, accepted + 1)
