@@ -48,7 +48,7 @@ from dayzero.convert.name_map import (
 from dayzero.convert.parallel import ReadAhead
 from dayzero.convert.sources import Source, open_source
 from dayzero.convert.staging import (
-    LOCK, PROGRESS, Staging, file_stamps, keep_verified, kill_point, open_existing, partial_dir, refusal,
+    LOCK, PROGRESS, Staging, create, file_stamps, keep_verified, kill_point, open_existing, partial_dir, refusal,
 )
 from dayzero.model.config import ConfigError, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
@@ -313,12 +313,14 @@ def _convert_into(staging: Staging, source: Source, p: _Plan, progress: bool, th
     })
 
 
-def _move_into_place(tmp: Path, dst: Path) -> None:
-    """Rename the finished staging directory to DST (atomic on one file system)."""
+def _move_into_place(staging: Staging, dst: Path) -> None:
+    """Rename the finished staging directory to DST (atomic on one file system), holding its
+    lock until it is there: a run that looks at ``DST.partial`` meanwhile finds it locked, or gone."""
     appeared = ConvertError(f"destination {dst} appeared during conversion; remove it and convert again")
     if dst.exists():
         raise appeared
-    for scratch in (PROGRESS, PROGRESS + ".new", LOCK):  # the staging's own files are no part of the checkpoint
+    tmp = staging.root
+    for scratch in (PROGRESS, PROGRESS + ".new"):  # the staging's own files are no part of the checkpoint
         (tmp / scratch).unlink(missing_ok=True)
     try:
         os.rename(tmp, dst)
@@ -327,6 +329,8 @@ def _move_into_place(tmp: Path, dst: Path) -> None:
         if dst.exists():
             raise appeared from None
         raise
+    (dst / LOCK).unlink(missing_ok=True)
+    staging.unlock()
 
 
 def _check_layout(config: ModelConfig, placement: Any) -> None:
@@ -350,14 +354,7 @@ def _open_staging(partial: Path, source: Source, options: dict[str, Any], resume
                 redo = f", redoing {len(dropped)} that no longer match ({', '.join(dropped)})" if dropped else ""
                 print(f"dayzero: resuming {partial}: {len(staging.groups)} groups kept{redo}", file=sys.stderr)
             return staging
-    try:
-        partial.mkdir()
-    except FileExistsError:  # a concurrent run got here first
-        raise refusal(partial) from None
-    staging = Staging(partial, options)
-    staging.lock()
-    staging.save()
-    return staging
+    return create(partial, options)
 
 
 def default_threads() -> int:
@@ -410,18 +407,19 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     try:
         _convert_into(staging, source, p, progress, threads, stats)
         if is_primary_process():
-            staging.unlock()
-            _move_into_place(partial, dst)
+            _move_into_place(staging, dst)
     except BaseException as e:
         if is_primary_process():
-            staging.unlock()
             # A crash, a full disk or an interrupt keeps what is done for --resume; a bad input
-            # (ConvertError) needs another source, so nothing is kept.
-            if staging.groups and not isinstance(e, ConvertError):
-                print(f"dayzero: {len(staging.groups)} converted groups are kept in {partial}; "
-                      f"run again with --resume to continue, or delete {partial}", file=sys.stderr)
+            # (ConvertError) needs another source, so nothing is kept (removed under the lock).
+            if staging.groups and not isinstance(e, ConvertError) and partial.exists():
+                again = ("run again with --resume to continue, or delete " if jax.process_count() == 1
+                         else "--resume runs in one process: delete ")
+                print(f"dayzero: {len(staging.groups)} converted groups are kept in {partial}; {again}{partial}",
+                      file=sys.stderr)
             else:
                 shutil.rmtree(partial, ignore_errors=True)
+            staging.unlock()
         raise
     barrier("dayzero-convert-done")  # no process reports success before DST is in place
     seconds = time.perf_counter() - stats.pop("_start")

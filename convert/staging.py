@@ -109,8 +109,13 @@ class Staging:
         self._lock = None
 
     def lock(self) -> None:
-        """Take the staging lock, or raise if a live conversion holds it."""
-        self._lock = open(self.root / LOCK, "a")
+        """Take the staging lock, or raise if a live conversion holds it (or the directory has
+        just been renamed into place or removed by the conversion that held it)."""
+        try:
+            self._lock = open(self.root / LOCK, "a")
+        except FileNotFoundError:
+            raise ConvertError(f"{self.root} disappeared while this run looked at it (another conversion "
+                               "finished or discarded it); run again") from None
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -129,7 +134,7 @@ class Staging:
         write_json_atomic(self.root / PROGRESS, {"options": self.options, "groups": self.groups})
 
     def record(self, group: str, entries: dict[str, Any], files: dict[str, list[int]]) -> None:
-        """Note ``group`` as complete (its arrays are on disk), then kill ourselves if a test asks."""
+        """Note ``group`` as complete (its arrays are on disk) in the progress record."""
         self.groups[group] = {"tensors": entries, "files": files}
         self.save()
 
@@ -139,6 +144,25 @@ class Staging:
         for group in order:
             out.update(self.groups[group]["tensors"])
         return out
+
+
+def create(partial: Path, options: dict[str, Any]) -> Staging:
+    """A new, empty staging at ``partial``, made atomically: built, locked and recorded under a
+    temporary name, then renamed, so another run finds either nothing or a locked directory with
+    its record (never one it could take for an abandoned staging and remove)."""
+    tmp = partial.with_name(f"{partial.name}.new-{os.getpid()}")
+    tmp.mkdir()
+    staging = Staging(tmp, options)
+    staging.lock()
+    staging.save()
+    try:
+        os.rename(tmp, partial)  # fails if a concurrent run's staging is there (a non-empty directory)
+    except OSError:
+        staging.unlock()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise refusal(partial) from None
+    staging.root = partial
+    return staging
 
 
 def kill_point(done: int) -> bool:

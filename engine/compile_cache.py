@@ -53,8 +53,11 @@ def resolve(setting: str | None) -> Path | None:
 def enable(setting: str | None) -> Path | None:
     """Turn the persistent cache on for this process as ``setting`` says (before anything
     compiles); returns the directory in use, or None when off."""
+    import jax
+
     directory = resolve(setting)
     if directory is None:
+        jax.config.update("jax_compilation_cache_dir", None)  # also off where an earlier call turned it on
         return None
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -64,8 +67,6 @@ def enable(setting: str | None) -> Path | None:
     if not os.access(directory, os.W_OK):
         raise CompileCacheError(f"--compile-cache {directory} is not writable; pass a writable directory "
                                 f"or --compile-cache {OFF}")
-    import jax
-
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

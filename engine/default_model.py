@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -54,7 +55,7 @@ def default_model_dir(progress: bool = True) -> Path:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if progress:
         print(f"dayzero: converting the embedded SmolLM2-135M-Instruct into {dst} (first use only)", file=sys.stderr)
-    deadline = time.monotonic() + WAIT_S
+    deadline, discarded = time.monotonic() + WAIT_S, False
     while not (dst / "manifest.json").exists():
         try:
             # A first use that was killed left DST.partial: continue it rather than refuse.
@@ -63,8 +64,13 @@ def default_model_dir(progress: bool = True) -> Path:
             # Another process may be converting it right now (or have just finished): wait for its copy.
             if (dst / "manifest.json").exists():
                 break
-            if not busy(dst) or time.monotonic() > deadline:
+            if busy(dst) and time.monotonic() < deadline:
+                time.sleep(1.0)
+            elif partial_dir(dst).exists() and not busy(dst) and not discarded:
+                # Left by another dayzero version (the resume refused its options): ours to redo.
+                shutil.rmtree(partial_dir(dst), ignore_errors=True)
+                discarded = True
+            else:
                 raise
-            time.sleep(1.0)
     read_manifest(dst)
     return dst

@@ -253,7 +253,7 @@ class Engine:
 
     def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False) -> tuple:
         """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty."""
-        key = (tokens.shape, cache.max_len, mode, fresh)
+        key = (tokens.shape, cache.max_len, mode, fresh, np.ndim(step))  # a per-row step is another program
         start = time.perf_counter()
         if fresh:
             out = self._prefill(self.weights, tokens, num_new, rows, self._host(np.int32(step)), mode=mode)

@@ -113,10 +113,15 @@ class LeaderServing:
 
     def submit(self, prompt, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
                ignore_eos: bool = False, top_logprobs: int = 0, constraint=None) -> int:
-        """``ServingEngine.submit`` (token ids only), recorded once the engine accepted it."""
+        """``ServingEngine.submit`` (token ids only), recorded once the engine accepted it. A
+        constraint must carry its grammar text (other processes rebuild it from that)."""
+        grammar = None if constraint is None else getattr(constraint, "grammar", None)
+        if constraint is not None and not isinstance(grammar, str):
+            # Checked before the engine queues it: a request only this process held would split the run.
+            raise MirrorError(f"constraint {constraint!r} has no grammar text; multi-process serving needs a "
+                              "GrammarConstraint (engine/grammar.py)")
         rid = self._serving.submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=ignore_eos,
                                    top_logprobs=top_logprobs, constraint=constraint)
-        grammar = None if constraint is None else constraint.grammar
         self._ops.append(["submit", rid, [int(t) for t in prompt], max_new_tokens, _sampling_record(sampling),
                           ignore_eos, top_logprobs, grammar])
         return rid
@@ -162,12 +167,18 @@ class LeaderServing:
         self._last_sent = time.monotonic()
 
 
+def ignore_signals() -> None:
+    """A follower ignores SIGINT and SIGTERM from the start (loading and compiling included):
+    process 0 ends the run (see the module docstring)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def follow(serving, grammars) -> int:
     """A follower's serve loop: replay the leader's records on ``serving`` and step with it until
     the leader says stop; returns the number of steps run. ``grammars``: the
     :class:`~dayzero.engine.grammar.Grammars` that rebuilds constraints (None without a tokenizer)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)  # the leader ends the run (see the module docstring)
+    ignore_signals()
     steps = 0
     while True:
         command, ops = receive()

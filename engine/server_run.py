@@ -65,9 +65,11 @@ def serving_config(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace, placement) -> int:
     """``dayzero serve``: returns the exit status (0 after a signal's graceful stop)."""
     from dayzero.engine.server import ServerOptions, announce, create_app
-    from dayzero.engine.server_mirror import LeaderServing, follow
+    from dayzero.engine.server_mirror import LeaderServing, follow, ignore_signals
 
     leader = jax.process_index() == 0
+    if not leader:
+        ignore_signals()
     # Only process 0 listens; before loading and compiling, so a busy port fails fast.
     sock = _listen(args.host, args.port) if leader else None
     serving, grammars = _compiled_engine(args, placement)

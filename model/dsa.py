@@ -38,17 +38,11 @@ def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
     return ((x32 - mean) * jax.lax.rsqrt(var + K_NORM_EPS) * weight + bias).astype(x.dtype)
 
 
-def _rope_front(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotate the first R dims of ``x`` [B,T,heads,J] (half-split pairs), keep the rest."""
-    R = config.mla.rope_dim
-    return jnp.concatenate([apply_rope(x[..., :R], *cos_sin), x[..., R:]], axis=-1)
-
-
 def index_keys(w: IndexerWeights, config: ModelConfig, x: jax.Array,
                cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
     """The indexer key of each token of ``x`` [B,T,D] -> [B,T,J], as the cache stores it."""
     k = _layer_norm(x @ w.k, w.k_norm, w.k_norm_bias)
-    return _rope_front(k[:, :, None], config, cos_sin)[:, :, 0]
+    return apply_rope(k[:, :, None], *cos_sin)[:, :, 0]  # tables of rope_dim: the first R dims rotate
 
 
 def index_scores(w: IndexerWeights, config: ModelConfig, x: jax.Array, q_latent: jax.Array,
@@ -56,7 +50,7 @@ def index_scores(w: IndexerWeights, config: ModelConfig, x: jax.Array, q_latent:
     """fp32 scores [B,T,S] of the queries of ``x`` [B,T,D] (q LoRA latent ``q_latent`` [B,T,Q])
     against ``keys`` [B,S,J]; no mask applied."""
     I, J = config.dsa.heads, config.dsa.head_dim
-    q = _rope_front(jnp.einsum("btq,qij->btij", q_latent, w.q_b), config, cos_sin)
+    q = apply_rope(jnp.einsum("btq,qij->btij", q_latent, w.q_b), *cos_sin)
     B, T = q.shape[:2]
     # Queries flattened to [B, T*I, J] (a free reshape) make the key product one plain batched
     # matmul: the 4-D einsum ran ~3x slower on XLA:CPU over a 64k-token key cache.
