@@ -220,6 +220,7 @@ def test_paged_serving_matches_engine_alone(case):
         assert out.token_ids == case.engine.generate(prompt, max_new_tokens=new, ignore_eos=True).token_ids
 
 
+@pytest.mark.slow  # the verify machinery runs by default in tests/test_verify.py
 def test_verify_compares_every_layer(case):
     """``dayzero verify``: each decoder layer's output and the logits against HF's, per layer."""
     from dayzero.tools.verify import verify

@@ -22,29 +22,46 @@ from tests.mesh_serving_checks import CASES, RUNS
 LOGPROB_TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def results(tiny_moe_hf, tmp_path_factory):
-    """Every case and the CLI run, started at once (compiling is single-threaded: two cores)."""
-    parts = {name: (name,) for name in CASES}
-    parts["cli"] = ("cli", tiny_moe_hf, tmp_path_factory.mktemp("mesh_cli"))
-    procs = {name: start_part(*args, module="tests.mesh_serving_checks", fast_compile=True)
-             for name, args in parts.items()}
-    return {name: result_of(proc, timeout=900) for name, proc in procs.items()}
+# int4 experts on the mesh run with -m slow only: qwen3_int8 takes the same paths (its kernel and
+# reference runs on the other mesh each), and the default suite's time is spent (NOTES.md).
+SLOW_CASES = ("qwen3_int4",)
+DEFAULT_CASES = sorted(name for name in CASES if name not in SLOW_CASES)
 
 
-@pytest.fixture(params=sorted(CASES))
-def case(request, results):
-    return request.param, results[request.param]
-
-
-def test_served_tokens_equal_one_device(case):
-    name, result = case
+def _check_case(name: str, result: dict) -> None:
+    """Every run of ``name`` served the tokens of one device, logprobs within fp32 rounding."""
     assert result["devices"] == 8
     runs = {k: v for k, v in result.items() if k != "devices"}
     assert len(runs) == len(RUNS[name])
     for run, got in runs.items():
         assert got["same_tokens"], run
         assert got["logprob_diff"] < LOGPROB_TOL, run
+
+
+@pytest.fixture(scope="module")
+def results(tiny_moe_hf, tmp_path_factory):
+    """Every default case and the CLI run, started at once (compiling is single-threaded: two cores)."""
+    parts = {name: (name,) for name in DEFAULT_CASES}
+    parts["cli"] = ("cli", tiny_moe_hf, tmp_path_factory.mktemp("mesh_cli"))
+    procs = {name: start_part(*args, module="tests.mesh_serving_checks", fast_compile=True)
+             for name, args in parts.items()}
+    return {name: result_of(proc, timeout=900) for name, proc in procs.items()}
+
+
+@pytest.fixture(params=DEFAULT_CASES)
+def case(request, results):
+    return request.param, results[request.param]
+
+
+def test_served_tokens_equal_one_device(case):
+    _check_case(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SLOW_CASES)
+def test_slow_cases_served_tokens_equal_one_device(name):
+    _check_case(name, result_of(start_part(name, module="tests.mesh_serving_checks", fast_compile=True),
+                                timeout=900))
 
 
 def test_the_mesh_runs_what_was_asked(case):

@@ -52,8 +52,11 @@ def _engine(family: str, kv_cache: str) -> Engine:
     return random_engine(FAMILIES[family], kv_cache)
 
 
-@pytest.mark.parametrize("kv_cache", ["int8", "fp8"])
-@pytest.mark.parametrize("family", QUANT_FAMILIES)
+@pytest.mark.parametrize("family, kv_cache", [("dense", "int8"), ("dense", "fp8"), ("latent", "int8"),
+                                               ("sparse", "int8"),
+                                               # the fp8 pool code is the dense one's: -m slow
+                                               pytest.param("latent", "fp8", marks=pytest.mark.slow),
+                                               pytest.param("sparse", "fp8", marks=pytest.mark.slow)])
 def test_served_quantized_pages_match_contiguous_cache(family, kv_cache, monkeypatch):
     """Greedy tokens and logprobs of three requests (chunked prefill, a prefix-cache hit, a short
     one) served over quantized pages equal ``Engine.generate``'s over the quantized contiguous cache."""
@@ -106,7 +109,10 @@ def test_pool_bytes(kv_cache):
 
 
 @pytest.mark.parametrize("family, kv_cache", [("dense", KVQuant.INT8), ("window", KVQuant.FP8),
-                                               ("latent", KVQuant.INT8), ("sparse", KVQuant.FP8)])
+                                               ("latent", KVQuant.INT8),
+                                               # the sparse kernel on unquantized pages runs by default
+                                               # (test_serving_kernels): -m slow
+                                               pytest.param("sparse", KVQuant.FP8, marks=pytest.mark.slow)])
 def test_quantized_pages_on_the_kernels(family, kv_cache):
     """The kernels read int8/fp8 pages with their scale pages in place: served tokens and logprobs
     equal the reference path's over the same quantized pages (every path reads a step's own new

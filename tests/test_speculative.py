@@ -185,6 +185,7 @@ def test_greedy_is_lossless_on_a_dense_model(tiny_engine, monkeypatch):
         assert o.finish_reason == ("stop" if eos in p else "length")
 
 
+@pytest.mark.slow  # the rule itself is checked by test_sampled_emission_has_the_target_distribution
 def test_sampled_speculation_through_the_engine(tiny_engine):
     """Filtered sampling with speculation runs per row; a greedy row in a sampled batch is still
     exactly the plain greedy output."""
