@@ -152,8 +152,14 @@ def batch_sampling(params: list[SamplingParams]) -> tuple[SamplingMode, RowSampl
     return mode, rows
 
 
-def _filter_sorted(sorted_logits: jax.Array, rows: RowSampling) -> jax.Array:
-    """Mask (to -inf) the tail of descending-sorted, temperature-scaled logits [B, V]."""
+def filters_on(rows: RowSampling) -> jax.Array:
+    """[B] bool: which rows ask for any of top-k, top-p, min-p (the others draw unfiltered)."""
+    return (rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)
+
+
+def filter_sorted(sorted_logits: jax.Array, rows: RowSampling) -> jax.Array:
+    """Mask (to -inf) the tail of descending-sorted, temperature-scaled logits [B, V] as each
+    row's top-k, top-p and min-p say (used by :func:`sample` and by speculative decoding)."""
     V = sorted_logits.shape[-1]
     rank = jnp.arange(V)[None, :]
     top_k = jnp.where(rows.top_k > 0, rows.top_k, V)[:, None]
@@ -194,9 +200,8 @@ def sample(logits: jax.Array, rows: RowSampling, step: jax.Array, mode: Sampling
         if mode is SamplingMode.FILTERED:
             order = jnp.argsort(-scaled, axis=-1)
             sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-            choice = jax.vmap(jax.random.categorical)(keys, _filter_sorted(sorted_logits, rows))
-            filtered = (rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)
-            tokens = jnp.where(filtered, jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0], tokens)
+            choice = jax.vmap(jax.random.categorical)(keys, filter_sorted(sorted_logits, rows))
+            tokens = jnp.where(filters_on(rows), jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0], tokens)
         # Rows that asked for greedy inside a sampled batch still get their argmax.
         tokens = jnp.where(rows.temperature > 0, tokens, jnp.argmax(logits, axis=-1))
     tokens = tokens.astype(jnp.int32)

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.runtime import RunConfig, RunConfigError
-from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, _filter_sorted, batch_sampling
+from dayzero.engine.sampling import (RowSampling, SamplingMode, SamplingParams, batch_sampling, filter_sorted,
+                                     filters_on)
 from dayzero.model.cache import KVCache, LatentCache, NewKV, NewLatent, append_to_cache
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.transformer import forward
@@ -160,10 +161,9 @@ def target_logits(logits: jax.Array, rows: RowSampling, mode: SamplingMode) -> j
     per_position = jax.tree.map(lambda x: jnp.repeat(x, T, axis=0), rows)
     flat = scaled.reshape(B * T, V)
     order = jnp.argsort(-flat, axis=-1)
-    kept = _filter_sorted(jnp.take_along_axis(flat, order, axis=-1), per_position)
+    kept = filter_sorted(jnp.take_along_axis(flat, order, axis=-1), per_position)
     unsorted = jnp.zeros_like(flat).at[jnp.arange(B * T)[:, None], order].set(kept).reshape(B, T, V)
-    filtered = (rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)
-    return jnp.where(filtered[:, None, None], unsorted, scaled)
+    return jnp.where(filters_on(rows)[:, None, None], unsorted, scaled)
 
 
 def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, rows: RowSampling,
