@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
+from dayzero.engine.step_cache import StepCache
 from dayzero.engine.speculative import SpecConfig, SpecStats, check_speculative, stream_speculative
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
 from dayzero.engine.runtime import RunConfig, RunConfigError, default_dtype, resolve_run, weights_storage
@@ -171,7 +172,8 @@ class Engine:
         self._decode = jax.jit(self._step_impl, static_argnames=("mode",))
         # On a mesh the written cache is pinned to its layout; one device keeps the plain write.
         self._append = jax.jit(append_to_cache if run.placement is None else self._append_on_mesh, donate_argnums=(0,))
-        self._compiled: set = set()
+        # Warm starts read these steps whole from disk (no trace, no lowering) when --compile-cache is on.
+        self._steps = StepCache(scope=repr((config, run)))
 
     @property
     def placement(self) -> Placement | None:
@@ -254,16 +256,18 @@ class Engine:
     def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False) -> tuple:
         """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty."""
         key = (tokens.shape, cache.max_len, mode, fresh, np.ndim(step))  # a per-row step is another program
+        first = (key, "append") not in self._steps
         start = time.perf_counter()
+        step = self._host(np.int32(step))
         if fresh:
-            out = self._prefill(self.weights, tokens, num_new, rows, self._host(np.int32(step)), mode=mode)
+            out = self._steps.call(self._prefill, key, self.weights, tokens, num_new, rows, step, static={"mode": mode})
         else:
-            out = self._decode(self.weights, tokens, num_new, rows, self._host(np.int32(step)), mode=mode, cache=cache)
-        cache = self._append(cache, out[2])
-        if key not in self._compiled:  # first call of this shape: account its compile time
+            out = self._steps.call(self._decode, key, self.weights, tokens, num_new, rows, step, cache=cache,
+                                   static={"mode": mode})
+        cache = self._steps.call(self._append, (key, "append"), cache, out[2])
+        if first:  # first call of this shape: account its compile (or load) time
             jax.block_until_ready(out[0])
             self.compile_s += time.perf_counter() - start
-            self._compiled.add(key)
         return out[0], out[1], cache
 
     # ---- request validation ------------------------------------------------------------------

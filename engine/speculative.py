@@ -236,14 +236,15 @@ def append_verified(cache: KVCache | LatentCache, new: NewKV | NewLatent, accept
 def _verify(engine: "Engine", tokens, num_new, rows, steps, mode, cache) -> tuple:
     """One verify step and its cache write, its first compile counted in ``engine.compile_s``."""
     key = ("verify", tokens.shape, cache.max_len, mode)
+    first = (key, "append") not in engine._steps
     start = time.perf_counter()
-    tok, lp, accepted, new = verify_step(engine.weights, jnp.asarray(tokens), jnp.asarray(num_new), rows,
-                                         jnp.asarray(steps), mode, cache, config=engine.config)
-    cache = append_verified(cache, new, accepted)
-    if key not in engine._compiled:
+    tok, lp, accepted, new = engine._steps.call(
+        verify_step, key, engine.weights, jnp.asarray(tokens), jnp.asarray(num_new), rows, jnp.asarray(steps),
+        cache=cache, static={"mode": mode, "config": engine.config})
+    cache = engine._steps.call(append_verified, (key, "append"), cache, new, accepted)
+    if first:
         jax.block_until_ready(tok)
         engine.compile_s += time.perf_counter() - start
-        engine._compiled.add(key)
     return tok, lp, accepted, cache
 
 

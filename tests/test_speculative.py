@@ -170,7 +170,7 @@ def test_greedy_is_lossless_on_a_dense_model(tiny_engine, monkeypatch):
     prompts = _repetitive_prompts(256)
     _assert_lossless(tiny_engine, prompts, 40, SpecConfig(num_draft_tokens=K))
     # One verify program per cache bucket and batch, whatever the rows accepted.
-    assert [k for k in tiny_engine._compiled if k[0] == "verify" and k[3] is SamplingMode.GREEDY] == \
+    assert [k for k in tiny_engine._steps.signatures() if k[0] == "verify" and k[3] is SamplingMode.GREEDY] == \
         [("verify", (3, K + 1), 256, SamplingMode.GREEDY)]
     # Stopping inside an accepted run: at max_new_tokens, and after an EOS (tokens after it
     # dropped). The same batch, so no new shapes compile.

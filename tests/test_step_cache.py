@@ -1,0 +1,94 @@
+"""Compiled steps on disk (engine/step_cache.py): a second engine over the same model reads its
+prefill, decode and cache-write executables whole (no trace, no lowering, no compile) and gives the
+same tokens; anything the programs depend on changes the key; a damaged entry is rebuilt; an
+executable JAX read back from its own cache is never stored.
+
+The oracle for "read, not built" is the cache's own count of traced-and-compiled steps, checked
+against the directory: a build writes one file per step, a read writes none.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from dayzero.engine import Engine, step_cache
+
+PROMPT, NEW = [5, 6, 7, 8, 9], 6
+STEPS = 4  # prefill, its cache write, decode, its cache write
+
+
+@pytest.fixture
+def steps_dir(tmp_path, monkeypatch):
+    """Step caches of engines made in the test use ``tmp_path/steps``."""
+    directory = tmp_path / "steps"
+    monkeypatch.setattr(step_cache, "directory_in_use", lambda: directory)
+    return directory
+
+
+def _run(model_dir, **load) -> tuple[list[int], step_cache.StepCache]:
+    engine = Engine.load(model_dir, progress=False, **load)
+    out = engine.generate(PROMPT, max_new_tokens=NEW, ignore_eos=True)
+    return out.token_ids, engine._steps
+
+
+def test_second_engine_reads_every_step(tiny_model, steps_dir):
+    tokens, cold = _run(tiny_model.dir)
+    assert (cold.built, cold.loaded) == (STEPS, 0)
+    assert len(list(steps_dir.glob("*.xla"))) == STEPS
+    again, warm = _run(tiny_model.dir)
+    assert (warm.built, warm.loaded) == (0, STEPS)
+    assert again == tokens
+    assert len(list(steps_dir.glob("*.xla"))) == STEPS  # nothing rewritten or added
+
+
+def test_what_the_programs_depend_on_is_in_the_key(tiny_model, steps_dir, monkeypatch):
+    tokens, _ = _run(tiny_model.dir)
+    _, other_run = _run(tiny_model.dir, kv_cache="int8")  # another run configuration: other programs
+    assert other_run.built == STEPS
+    monkeypatch.setattr(step_cache, "_source_digest", "an edited dayzero")  # same version, other code
+    again, edited = _run(tiny_model.dir)
+    assert (edited.built, edited.loaded) == (STEPS, 0) and again == tokens
+
+
+def test_damaged_entry_is_rebuilt(tiny_model, steps_dir, caplog):
+    tokens, _ = _run(tiny_model.dir)
+    for path in steps_dir.glob("*.xla"):
+        path.write_bytes(path.read_bytes()[:100])  # a truncated write of another process
+    with caplog.at_level(logging.WARNING, logger=step_cache.__name__):
+        again, rebuilt = _run(tiny_model.dir)
+    assert (rebuilt.built, rebuilt.loaded) == (STEPS, 0) and again == tokens
+    assert "compiling it again" in caplog.text
+    _, healed = _run(tiny_model.dir)
+    assert healed.loaded == STEPS
+
+
+class _HitOnCompile:
+    """A jitted function whose compile reports a hit of JAX's persistent cache."""
+
+    def __init__(self, fn):
+        self._fn, self.__name__ = jax.jit(fn), "hit_on_compile"
+
+    def lower(self, *args, **kwargs):
+        lowered = self._fn.lower(*args, **kwargs)
+
+        class _Lowered:
+            @staticmethod
+            def compile():
+                step_cache._count_persistent_hit(step_cache._PERSISTENT_HIT)
+                return lowered.compile()
+        return _Lowered()
+
+
+def test_executable_read_from_jax_cache_is_not_stored(tmp_path):
+    """Such an executable serializes without its compiled functions (jaxlib 0.10 XLA:CPU), so a
+    stored copy would fail when run; a fresh compile is stored."""
+    x = jnp.arange(4.0)
+    cache = step_cache.StepCache("scope", tmp_path)
+    assert float(cache.call(_HitOnCompile(lambda v: v * 2), "hit", x).sum()) == 12.0
+    assert not list(tmp_path.glob("*.xla"))
+    assert float(cache.call(jax.jit(lambda v: v * 3), "fresh", x).sum()) == 18.0
+    assert len(list(tmp_path.glob("*.xla"))) == 1
