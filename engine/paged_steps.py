@@ -40,6 +40,7 @@ from dayzero.engine.generate import GenerationError, bucket
 from dayzero.engine.runtime import RunConfig, check_page_pool, resolve_run, with_kernels
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, SamplingMode, SamplingParams, allow_all, sample
 from dayzero.engine.sampling import top_logprobs as most_likely
+from dayzero.engine.step_cache import StepCache
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
@@ -225,8 +226,12 @@ def _forward_in_place(weights, tokens, pool, num_new, *, config, kernels, parall
     return logits, _pinned(with_written(pool, view), layout)
 
 
-# Step shapes compiled so far, per (model, run configuration, pool): what the jits above have cached.
-_COMPILED: set[tuple] = set()
+# The jits above as compiled executables, per (step, model, run configuration, pool, shape): shared
+# by every serving engine of the process, and read from disk on a warm start (engine/step_cache.py;
+# the statics and arguments of each call are in the disk key).
+_STEPS = StepCache(scope="paged_steps")
+# Step signatures whose first call (compile or disk read, then run) was timed into a compile_s.
+_TIMED: set[tuple] = set()
 
 
 def _pinned(tree, layout):
@@ -323,31 +328,33 @@ class PagedSteps:
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
-        with self._compiling(shape) as done:
+        key = (self.config, self.run, self.serving.num_pages, self.serving.page_size, shape)
+        statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
+        with self._compiling(("forward", key)) as done:
             tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
             if self.reads_in_place(width):
-                logits, self.pool = _forward_in_place(self.weights, tokens, read, num_new, config=self.config,
-                                                      kernels=self.run.kernels, parallel=self.parallel,
-                                                      layout=self.layout)
+                logits, self.pool = _STEPS.call(_forward_in_place, ("in_place", key), self.weights, tokens, read,
+                                                num_new, static=dict(statics, layout=self.layout))
             else:
-                logits, new = _forward_logits(self.weights, tokens, num_new, read, config=self.config,
-                                              kernels=self.run.kernels, parallel=self.parallel)
-                self.pool = _append(self._with_rows(tables, lengths), new, layout=self.layout)
+                logits, new = _STEPS.call(_forward_logits, ("logits", key), self.weights, tokens, num_new, read,
+                                          static=statics)
+                self.pool = _STEPS.call(_append, ("append", key), self._with_rows(tables, lengths), new,
+                                        static=dict(layout=self.layout))
             done(logits)
         return logits
 
     @contextlib.contextmanager
-    def _compiling(self, shape: tuple):
-        """Time a step of ``shape`` into ``compile_s`` if no serving engine over this model, run
-        and pool ran it before (the jits are module-level, so that first call compiles);
+    def _compiling(self, signature: tuple):
+        """Time a step into ``compile_s`` if no serving engine of this process ran its
+        ``signature`` before (that first call compiles, or reads the step from disk);
         ``done(result)`` waits for the result so the time covers the compile and the run."""
-        key = (self.config, self.run, self.serving.num_pages, self.serving.page_size, shape)
+        first = signature not in _TIMED
         start, results = time.perf_counter(), []
         yield results.append
-        if key not in _COMPILED:
+        if first:
             jax.block_until_ready(results)
             self.compile_s += time.perf_counter() - start
-            _COMPILED.add(key)
+            _TIMED.add(signature)
 
     def _with_rows(self, tables: np.ndarray, lengths: np.ndarray):
         """The pool with these rows' block tables and lengths, as a step's input."""
@@ -384,11 +391,13 @@ class PagedSteps:
         """
         args = (rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data, np.asarray(steps, np.int32))
         self.samplings_run.add((len(rows.temperature), mode, masks is not None, top))
+        static = dict(mode=mode, top=top, layout=self.sample_layout)
+        key = (self.config, self.run, len(rows.temperature), mode, top)
         if masks is None:
-            out = _sample_rows(logits, *self._host(args), mode=mode, top=top, layout=self.sample_layout)
+            out = _STEPS.call(_sample_rows, ("sample", key), logits, *self._host(args), static=static)
         else:
             args = self._host((*args, np.asarray(masks, np.uint32)))
-            out = _sample_masked(logits, *args, mode=mode, top=top, layout=self.sample_layout)
+            out = _STEPS.call(_sample_masked, ("sample_masked", key), logits, *args, static=static)
         return Sampled(*(np.asarray(x) for x in out))
 
     def warmup(self, constrained: bool = False, top_logprobs: bool = False) -> int:

@@ -100,15 +100,13 @@ class StepCache:
     """Compiled executables of one engine's jitted steps: in memory by signature, on disk by key.
 
     ``scope``: a string naming the constants the steps close over (model and run configuration).
-    ``directory`` None: :func:`directory_in_use` at construction (None there: memory only, and
-    every first call traces as plain ``jax.jit`` would).
+    ``directory`` None: :func:`directory_in_use` when a step is first needed (None there: memory
+    only, and every first call traces as plain ``jax.jit`` would).
     """
 
     def __init__(self, scope: str, directory: Path | None = None):
         """A cache for steps that close over what ``scope`` names."""
-        self.directory = directory if directory is not None else directory_in_use()
-        if self.directory is not None:
-            _listen_for_persistent_hits()
+        self._directory = directory
         self._scope = scope
         self._compiled: dict[Hashable, Callable] = {}
         self.loaded = 0  # executables read from disk
@@ -140,9 +138,10 @@ class StepCache:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _load_or_build(self, fn: Any, static: dict, args: tuple, kwargs: dict) -> Callable:
-        path = None
-        if self.directory is not None:
-            path = self.directory / f"{self._key(fn, static, args, kwargs)}.xla"
+        path, directory = None, self._directory or directory_in_use()
+        if directory is not None:
+            _listen_for_persistent_hits()
+            path = directory / f"{self._key(fn, static, args, kwargs)}.xla"
             loaded = self._read(path)
             if loaded is not None:
                 self.loaded += 1

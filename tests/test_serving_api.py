@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dayzero.engine import GenerationError, SamplingParams
-from dayzero.engine.paged_steps import _sample_masked
+from dayzero.engine import paged_steps
 from dayzero.engine.sampling import mask_words
 from dayzero.engine.serving import ConstraintError, ServingConfig, ServingEngine
 from dayzero.model.transformer import forward
@@ -148,13 +148,14 @@ def test_unconstrained_serving_compiles_no_mask_variant(engine):
     """A greedy request with top logprobs beside a sampled one samples with the unmasked program
     only: no masked sampling variant is run or compiled. A constrained request then runs one."""
     server = ServingEngine(engine, SERVING)
-    compiled = _sample_masked._cache_size()
+    masked_steps = lambda: [k for k in paged_steps._STEPS.signatures() if k[0] == "sample_masked"]  # noqa: E731
+    compiled = masked_steps()
     server.submit(prompt(6, 6), max_new_tokens=4, top_logprobs=2, ignore_eos=True)
     server.submit(prompt(6, 7), max_new_tokens=4, sampling=SamplingParams(temperature=0.5, seed=1), ignore_eos=True)
     list(server.stream())
     assert {masked for _, _, masked, _ in server.steps.samplings_run} == {False}
     assert {top for *_, top in server.steps.samplings_run} == {0, 20}
-    assert _sample_masked._cache_size() == compiled
+    assert masked_steps() == compiled
     server.submit(prompt(6, 6), max_new_tokens=4, constraint=AllowOnly([7]), ignore_eos=True)
     assert [e.token for e in server.stream()] == [7] * 4
     assert {masked for _, _, masked, _ in server.steps.samplings_run} == {False, True}

@@ -92,3 +92,24 @@ def test_executable_read_from_jax_cache_is_not_stored(tmp_path):
     assert not list(tmp_path.glob("*.xla"))
     assert float(cache.call(jax.jit(lambda v: v * 3), "fresh", x).sum()) == 18.0
     assert len(list(tmp_path.glob("*.xla"))) == 1
+
+
+def test_serving_warm_start_reads_every_step(tiny_model, steps_dir, monkeypatch):
+    """A serving engine's warm-up on a fresh process state (a new in-memory cache) reads every
+    step its first warm-up built, and serves the same tokens."""
+    from dayzero.engine import ServingConfig, ServingEngine, paged_steps
+
+    engine = Engine.load(tiny_model.dir, progress=False)
+    serving = ServingConfig(slots=2, page_size=8, num_pages=16, max_context=64, max_chunk=16, min_chunk=16)
+
+    def start() -> tuple[list[int], step_cache.StepCache]:
+        monkeypatch.setattr(paged_steps, "_STEPS", step_cache.StepCache("paged_steps"))
+        server = ServingEngine(engine, serving)
+        server.warmup()
+        out = server.run([PROMPT], max_new_tokens=NEW, ignore_eos=True)[0]
+        return out.token_ids, paged_steps._STEPS
+
+    tokens, cold = start()
+    assert cold.built > 0  # (a few signatures are one program: their later calls read its file)
+    again, warm = start()
+    assert (warm.built, warm.loaded) == (0, cold.built + cold.loaded) and again == tokens
