@@ -17,6 +17,7 @@ def _bench_json(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow  # the --json contract keys are checked by the composed run below
 def test_sweep_json_has_contract_keys_and_one_row_per_setting(tiny_model, capsys, tmp_path):
     plot = tmp_path / "bench.png"
     out = _bench_json(

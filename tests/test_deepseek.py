@@ -132,6 +132,8 @@ def test_logits_match_hf(case):
     assert_logits_match(case.ours_long, case.hf_long, case.name)
 
 
+# Greedy tokens without the q LoRA are -m slow: its logits and prefill/decode are checked by default.
+@pytest.mark.parametrize("case", ["q_lora", pytest.param("no_q_lora", marks=pytest.mark.slow)], indirect=True)
 def test_greedy_generation_matches_hf(case):
     """(b) 32 greedy tokens through Engine.generate are exactly HF generate's."""
     out, ref = greedy_vs_hf(case, random_ids(SHORT, case.config.vocab_size, seed=2), NEW)

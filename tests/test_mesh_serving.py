@@ -23,8 +23,10 @@ LOGPROB_TOL = 1e-4
 
 
 # int4 experts on the mesh run with -m slow only: qwen3_int8 takes the same paths (its kernel and
-# reference runs on the other mesh each), and the default suite's time is spent (NOTES.md).
-SLOW_CASES = ("qwen3_int4",)
+# reference runs on the other mesh each), and the default suite's time is spent (NOTES.md). So does
+# sparse attention served on the mesh (the costliest case: its latent pages and kernels on a mesh
+# are deepseek_fp8_block's, its sparse kernels served on one device are test_serving_kernels').
+SLOW_CASES = ("qwen3_int4", "deepseek32_int8")
 DEFAULT_CASES = sorted(name for name in CASES if name not in SLOW_CASES)
 
 

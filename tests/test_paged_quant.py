@@ -52,7 +52,9 @@ def _engine(family: str, kv_cache: str) -> Engine:
     return random_engine(FAMILIES[family], kv_cache)
 
 
-@pytest.mark.parametrize("family, kv_cache", [("dense", "int8"), ("dense", "fp8"), ("latent", "int8"),
+@pytest.mark.parametrize("family, kv_cache", [("dense", "int8"), ("dense", "fp8"),
+                                               # sparse pools hold the latent rows too: latent alone is slow
+                                               pytest.param("latent", "int8", marks=pytest.mark.slow),
                                                ("sparse", "int8"),
                                                # the fp8 pool code is the dense one's: -m slow
                                                pytest.param("latent", "fp8", marks=pytest.mark.slow),

@@ -487,6 +487,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow  # the engine runs this split in tests/test_mesh_engine.py's latent generation
 def test_latent_attention_over_a_position_split_cache_matches_one_device():
     """With the cache's positions split over tensor (``mla_parallel`` in the forward pass, as the
     engine runs it), decode gives the one-device logits, dense and sparse."""

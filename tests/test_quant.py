@@ -295,7 +295,8 @@ def kv_reference(tiny_model):
     return get
 
 
-@pytest.mark.parametrize("kind", ["gqa", "latent", "latent+index"])
+# "latent" alone is -m slow: "latent+index" writes and reads the same latent rows, plus its keys.
+@pytest.mark.parametrize("kind", ["gqa", pytest.param("latent", marks=pytest.mark.slow), "latent+index"])
 @pytest.mark.parametrize("kv", [KVQuant.INT8, KVQuant.FP8])
 def test_quantized_kv_cache_prefill_then_decode(kv_reference, kind, kv):
     """Prefill 40 tokens then decode 16 one at a time with a quantized cache: every buffer (K, V,

@@ -213,6 +213,7 @@ def test_bad_serving_config_is_refused(tiny_engine, kwargs, text):
         ServingEngine(tiny_engine, dataclasses.replace(SERVING, **kwargs))
 
 
+@pytest.mark.slow  # latent pages served: tests/test_mesh_serving.py and test_serving_kernels.py
 def test_latent_attention_model_is_served_like_alone():
     """DeepSeek-V3.2 (multi-head latent attention + sparse attention): latent and indexer-key
     pages; the indexer's top-8 of 16+ visible tokens really drops some."""

@@ -63,6 +63,7 @@ def test_dense_kernel_decode_matches_reference(tiny_engine):
     _assert_same(tiny_engine, requests=3, slots=2)
 
 
+@pytest.mark.slow  # windows on the kernels through a served model: tests/test_gpt_oss.py (default suite)
 def test_sliding_window_kernel_decode_matches_reference():
     """A window of 8 positions, shorter than most of the sequences: the kernel's window mask."""
     _assert_same(random_engine(FAMILIES["window"]),
