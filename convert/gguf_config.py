@@ -3,8 +3,8 @@
 The dict goes through ``dayzero.model.config.parse_hf_config`` like any HF config, so GGUF and
 HF sources obey the same strict rules. GGUF keys in the architecture's namespace that we do not
 translate are an error (listing them), for the same reason config keys are: a silently dropped
-key is how a port goes subtly wrong. ``general.*`` keys are descriptive and ignored; the
-``tokenizer.*`` keys are read by :mod:`dayzero.convert.tokenizer_export`.
+key is how a port goes subtly wrong. ``general.*`` and ``split.*`` keys are descriptive and
+ignored; the ``tokenizer.*`` keys are read by :mod:`dayzero.convert.tokenizer_export`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,29 @@ from typing import Any, Callable
 
 from dayzero.convert.errors import ConvertError
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# llama.cpp architecture -> (HF model_type, HF class). Mistral is written as "llama".
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
-# Keys whose value only matters if it is non-trivial (mixture of experts).
-_ZERO_OK = ("expert_count", "expert_used_count")
+# Architectures llama.cpp writes for models dayzero knows, and why their GGUF files are refused.
+_REFUSED = {
+    "qwen2moe": "dayzero has no qwen2_moe family (its shared expert sits behind a sigmoid gate)",
+    "deepseek2": "latent attention from GGUF is not supported yet (transformers cannot load such a file to "
+                 "check a conversion against); convert the model's HF directory instead",
+}
+
+# Mixture-of-experts keys; for a dense architecture they may only be absent or zero.
+_MOE_KEYS = ("expert_count", "expert_used_count")
+
+# llama.cpp's gating function ids (gguf.ExpertGatingFuncType): qwen3moe routes with a softmax,
+# minimax-m2 with a sigmoid (plus the selection bias ``exp_probs_b``).
+_GATING = {"qwen3moe": (1, "softmax"), "minimax-m2": (2, "sigmoid")}
 
 
 def _rope_scaling(get: Callable[[str], Any], context: int) -> dict[str, Any]:
@@ -34,6 +53,53 @@ def _rope_scaling(get: Callable[[str], Any], context: int) -> dict[str, Any]:
     raise ConvertError(f"GGUF rope.scaling.type={kind!r} is not supported; supported: none, linear, yarn")
 
 
+def _experts(arch: str, get: Callable[[str], Any], require: Callable[[str], Any]) -> dict[str, Any]:
+    """HF MoE keys for ``qwen3moe`` and ``minimax-m2`` (every layer sparse, top-k weights
+    renormalised, as llama.cpp always does for both); for a dense architecture, a check that the
+    file has no experts."""
+    if arch not in _GATING:
+        for key in _MOE_KEYS:
+            if get(key):
+                raise ConvertError(f"GGUF {arch}.{key}={get(key)}: mixture-of-experts {arch} files are not supported")
+        return {}
+    gating, name = _GATING[arch]
+    if get("expert_gating_func") not in (None, gating):
+        raise ConvertError(
+            f"GGUF {arch}.expert_gating_func={get('expert_gating_func')} is not supported; "
+            f"{arch} routes with {name} ({gating})"
+        )
+    count, used = int(require("expert_count")), int(require("expert_used_count"))
+    width = int(require("expert_feed_forward_length"))
+    if arch == "minimax-m2":  # HF's MiniMaxM2Config: experts intermediate_size wide, no dense MLP
+        return {"num_local_experts": count, "num_experts_per_tok": used, "intermediate_size": width}
+    return {"num_experts": count, "num_experts_per_tok": used, "moe_intermediate_size": width,
+            "norm_topk_prob": True}
+
+
+def _rotary(arch: str, get: Callable[[str], Any], head_dim: int) -> dict[str, Any]:
+    """``rotary_dim`` for minimax-m2 (which rotates part of each head); elsewhere a check that
+    ``rope.dimension_count`` is the whole head."""
+    dims = int(get("rope.dimension_count") or head_dim)
+    if arch == "minimax-m2":
+        return {"rotary_dim": dims}
+    if dims != head_dim:
+        raise ConvertError(
+            f"GGUF rope.dimension_count={dims} is not the head size {head_dim}; "
+            "partial rotary embeddings are not supported"
+        )
+    return {}
+
+
+def _check_arch(arch: Any) -> tuple[str, str]:
+    if arch in _REFUSED:
+        raise ConvertError(f"GGUF architecture {arch!r} is not supported: {_REFUSED[arch]}")
+    if arch not in ARCHITECTURES:
+        raise ConvertError(
+            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return ARCHITECTURES[arch]
+
+
 def hf_config_from_gguf(metadata: Callable[[str], Any], keys: list[str], num_tokens: int,
                         has_output: bool) -> dict[str, Any]:
     """The HF config dict a GGUF file describes.
@@ -43,10 +109,7 @@ def hf_config_from_gguf(metadata: Callable[[str], Any], keys: list[str], num_tok
     says whether the file holds an ``output.weight`` (the model is tied iff it does not).
     """
     arch = metadata("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ConvertError(
-            f"GGUF architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    model_type, hf_class = _check_arch(arch)
     seen: set[str] = set()
 
     def get(key: str) -> Any:
@@ -63,20 +126,19 @@ def hf_config_from_gguf(metadata: Callable[[str], Any], keys: list[str], num_tok
     head_dim = int(get("attention.key_length") or hidden // heads)
     if int(get("attention.value_length") or head_dim) != head_dim:
         raise ConvertError("GGUF attention.value_length differs from key_length; dayzero needs them equal")
-    if int(get("rope.dimension_count") or head_dim) != head_dim:
-        raise ConvertError(
-            f"GGUF rope.dimension_count={get('rope.dimension_count')} is not the head size {head_dim}; "
-            "partial rotary embeddings are not supported"
-        )
-    for key in _ZERO_OK:
-        if get(key):
-            raise ConvertError(f"GGUF {arch}.{key}={get(key)}: mixture-of-experts llama files are not supported")
+    experts = _experts(arch, get, require)
+    # A MoE file's dense width is unused when every layer is sparse (llama.cpp's qwen3moe).
+    ffn = get("feed_forward_length") if experts else require("feed_forward_length")
+    if arch == "minimax-m2" and ffn is not None and int(ffn) != experts["intermediate_size"]:
+        raise ConvertError(f"GGUF {arch}.feed_forward_length={ffn} differs from expert_feed_forward_length; "
+                           "minimax-m2 has no dense MLP of another width")
     context = int(require("context_length"))
     config = {
-        "model_type": arch,
-        "architectures": ["LlamaForCausalLM"],
+        "model_type": model_type,
+        "architectures": [hf_class],
         "hidden_size": hidden,
-        "intermediate_size": int(require("feed_forward_length")),
+        "intermediate_size": int(ffn or experts.get("moe_intermediate_size", 0)),
+        **_rotary(arch, get, head_dim),
         "num_hidden_layers": int(require("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(get("attention.head_count_kv") or heads),
@@ -88,6 +150,7 @@ def hf_config_from_gguf(metadata: Callable[[str], Any], keys: list[str], num_tok
         "tie_word_embeddings": not has_output,
         "bos_token_id": metadata("tokenizer.ggml.bos_token_id"),
         "eos_token_id": metadata("tokenizer.ggml.eos_token_id"),
+        **experts,
         **_rope_scaling(get, context),
     }
     for key in ("rope.scaling.original_context_length", "rope.scaling.finetuned"):

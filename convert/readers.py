@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+import re
 from pathlib import Path
 from typing import Any, Iterable, Protocol
 
@@ -233,70 +234,157 @@ class ShardedReader:
 
 # --- GGUF ----------------------------------------------------------------------------------------
 
+# llama.cpp's gguf-split names: <stem>-00001-of-00003.gguf.
+_GGUF_SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+_SPLIT_NO, _SPLIT_COUNT, _SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+
+
+def gguf_parts(path: Path) -> list[Path]:
+    """Every part of the split GGUF file that ``path`` is one part of (``[path]`` if not split).
+
+    Raises :class:`ConvertError` naming the first missing part.
+    """
+    match = _GGUF_SPLIT_NAME.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    if not 1 <= int(match["no"]) <= count:
+        raise ConvertError(f"{path} claims to be part {int(match['no'])} of {count}; rename it as llama.cpp named it")
+    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p for p in parts if not p.is_file()]
+    if missing:
+        raise ConvertError(
+            f"GGUF part {missing[0]} is missing ({len(missing)} of {count} parts missing); download every part"
+        )
+    return parts
+
+
+def _open_gguf(path: Path) -> Any:
+    """A ``gguf.GGUFReader`` of one file, every tensor's data checked to lie inside the file."""
+    import gguf
+
+    try:
+        file = gguf.GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - GGUFReader raises ValueError, struct errors, ...
+        raise ConvertError(f"{path} is not a valid GGUF file ({e}); it may be truncated or corrupt") from None
+    size = path.stat().st_size
+    for t in file.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise _corrupt(path, f"data of tensor '{t.name}' ends past the end of the file")
+    return file
+
+
+def _split_field(file: Any, key: str) -> Any:
+    field = file.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def _check_split(files: list[Any], parts: list[Path]) -> None:
+    """Each part says it is part i of n, and together they hold the tensor count the first states.
+
+    A file not named as a part must not be one (llama.cpp finds the other parts by their names)."""
+    count = len(parts)
+    if count == 1:
+        total = _split_field(files[0], _SPLIT_COUNT)
+        if total not in (None, 1):
+            raise ConvertError(
+                f"{parts[0]} is one part of a file split in {total}; give the parts llama.cpp's names "
+                f"(<name>-00001-of-{total:05d}.gguf, ...) and pass any of them"
+            )
+        return
+    for i, (file, path) in enumerate(zip(files, parts)):
+        no, total = _split_field(file, _SPLIT_NO), _split_field(file, _SPLIT_COUNT)
+        if (no, total) != (i, count):
+            raise ConvertError(
+                f"{path} says it is part {None if no is None else no + 1} of {total}, but its name makes it "
+                f"part {i + 1} of {count}; the parts come from different splits - download them again"
+            )
+    expected = _split_field(files[0], _SPLIT_TENSORS)
+    found = sum(len(f.tensors) for f in files)
+    if expected is not None and expected != found:
+        raise ConvertError(
+            f"the parts of {parts[0]} hold {found} tensors, but the first part says {expected}; "
+            "a part is truncated or from another split"
+        )
+
+
+# Element types the gguf package reads as plain numbers rather than quantized blocks.
+_GGUF_PLAIN = ("F64", "I8", "I16", "I32", "I64")
+
 
 class GGUFTensorReader:
-    """A llama.cpp ``.gguf`` file; every tensor is dequantized to float32 when read."""
+    """A llama.cpp ``.gguf`` file; every tensor is dequantized to float32 when read.
 
-    def __init__(self, path: Path):
+    With ``split=True``, ``path`` may be any part of a file split by llama.cpp's gguf-split
+    (``name-00001-of-0000N.gguf``): every part is read, metadata comes from the first.
+    """
+
+    def __init__(self, path: Path, split: bool = False):
         import gguf
 
         self.path = Path(path)
-        self.files = [self.path]
+        self.files = gguf_parts(self.path) if split else [self.path]
         self._gguf = gguf
-        try:
-            self.file = gguf.GGUFReader(self.path)
-        except Exception as e:  # noqa: BLE001 - GGUFReader raises ValueError, struct errors, ...
-            raise ConvertError(f"{path} is not a valid GGUF file ({e}); it may be truncated or corrupt") from None
-        size = self.path.stat().st_size
-        self._tensors = {}
-        for t in self.file.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise _corrupt(self.path, f"data of tensor '{t.name}' ends past the end of the file")
-            self._tensors[t.name] = t
+        self._parts = [_open_gguf(p) for p in self.files]
+        if split:
+            _check_split(self._parts, self.files)
+        self.file = self._parts[0]
+        self._tensors: dict[str, tuple[Any, Path, Any]] = {}
+        for file, part in zip(self._parts, self.files):
+            for t in file.tensors:
+                if t.name in self._tensors:
+                    raise ConvertError(
+                        f"tensor '{t.name}' appears in two parts of {self.path}; the split is inconsistent"
+                    )
+                self._tensors[t.name] = (t, part, file)
 
     def metadata(self, key: str, default: Any = None) -> Any:
-        """A metadata value (strings decoded, arrays as lists)."""
+        """A metadata value of the first part (strings decoded, arrays as lists)."""
         field = self.file.fields.get(key)
         return default if field is None else field.contents()
 
     def metadata_keys(self) -> list[str]:
-        """All metadata keys."""
+        """All metadata keys of the first part."""
         return list(self.file.fields)
 
     def keys(self) -> list[str]:
-        """Tensor names in the file."""
+        """Tensor names in the file (all parts)."""
         return list(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape in PyTorch order ([out, in]): GGUF lists dimensions innermost first."""
-        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+        return tuple(int(d) for d in reversed(self._tensors[name][0].shape))
 
     def dtype(self, name: str) -> np.dtype:
         """Always float32: quantized and half tensors are dequantized on read."""
         return np.dtype(np.float32)
 
     def file_of(self, name: str) -> Path:
-        """The file that holds tensor ``name``."""
-        return self.path
+        """The file (part) that holds tensor ``name``."""
+        return self._tensors[name][1]
 
     def get(self, name: str) -> np.ndarray:
         """One tensor dequantized to float32, in PyTorch layout."""
-        t = self._tensors[name]
+        t, part, file = self._tensors[name]
         try:
-            data = self._gguf.quants.dequantize(t.data, t.tensor_type)
+            if t.tensor_type.name in _GGUF_PLAIN:
+                data = t.data
+            else:
+                data = self._gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             raise ConvertError(
-                f"tensor '{name}' in {self.path} uses quantization {t.tensor_type.name}, which the gguf "
+                f"tensor '{name}' in {part} uses quantization {t.tensor_type.name}, which the gguf "
                 "package cannot dequantize; use a file with another quantization"
             ) from None
         out = np.array(data, dtype=np.float32, copy=True).reshape(self.shape(name))
-        self._drop_mapped_pages()
+        self._drop_mapped_pages(file)
         return out
 
-    def _drop_mapped_pages(self) -> None:
+    @staticmethod
+    def _drop_mapped_pages(file: Any) -> None:
         # GGUFReader maps the whole file; pages it has read would otherwise stay resident in this
         # process until the end, growing RSS to the file size. They remain in the page cache.
-        mapping = getattr(self.file.data, "_mmap", None)
+        mapping = getattr(file.data, "_mmap", None)
         if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
             try:
                 mapping.madvise(mmap.MADV_DONTNEED)

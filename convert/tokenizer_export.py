@@ -47,11 +47,47 @@ def _digits_then_gpt2() -> pre_tokenizers.PreTokenizer:
     )
 
 
-def _llama3() -> pre_tokenizers.PreTokenizer:
+# Qwen2's split (also Qwen2.5, Qwen3 and the DeepSeek-R1 distills of Qwen): Llama-3's, except
+# that every digit is a piece of its own.
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+# The GPT-4o (o200k) split that llama.cpp names "minimax-m2" for MiniMax-M2: a word is an optional
+# non-letter, then upper-case-ish letters and lower-case-ish letters in either order, then an
+# optional English contraction; numbers in runs of at most three digits; punctuation runs may
+# swallow trailing newlines and slashes.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+_GPT4O_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Mistral's tekken (Mistral-Nemo and later): the same words without contractions, single digits.
+_TEKKEN_SPLIT = _GPT4O_SPLIT.replace(_CONTRACTION, "").replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _regex_then_bytes(split: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+        [pre_tokenizers.Split(Regex(split), behavior="isolated"),
          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
+
+
+def _llama3() -> pre_tokenizers.PreTokenizer:
+    return _regex_then_bytes(_LLAMA3_SPLIT)
+
+
+def _qwen2() -> pre_tokenizers.PreTokenizer:
+    return _regex_then_bytes(_QWEN2_SPLIT)
+
+
+def _gpt4o() -> pre_tokenizers.PreTokenizer:
+    return _regex_then_bytes(_GPT4O_SPLIT)
+
+
+def _tekken() -> pre_tokenizers.PreTokenizer:
+    return _regex_then_bytes(_TEKKEN_SPLIT)
 
 
 # tokenizer.ggml.pre -> pre-tokenizer (byte-level BPE vocabularies only).
@@ -61,6 +97,10 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "starcoder": _digits_then_gpt2,
     "refact": _digits_then_gpt2,
     "llama-bpe": _llama3,
+    "qwen2": _qwen2,
+    "deepseek-r1-qwen": _qwen2,
+    "minimax-m2": _gpt4o,
+    "tekken": _tekken,
 }
 
 
@@ -92,6 +132,49 @@ def _byte_level_bpe(meta: Callable[[str], Any]) -> Tokenizer:
     return tok
 
 
+def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
+    """SentencePiece BPE's merges, which a GGUF stores only as token scores: every split of a
+    token into two tokens is a merge, ranked by the merged token's score (best first; among
+    equal scores, longer left pieces first, then by token ids, for a deterministic order)."""
+    ids = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for token, score in zip(tokens, scores):
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                ranked.append((-score, -len(left), -len(right), ids[token], ids[left], ids[right], left, right))
+    return [(r[-2], r[-1]) for r in sorted(ranked)]
+
+
+def _sentencepiece_bpe(meta: Callable[[str], Any]) -> Tokenizer:
+    """The BPE model, pre-tokenizer and decoder of a ``llama`` (SentencePiece BPE) vocabulary:
+    spaces become ``▁`` (one prepended to the text unless ``tokenizer.ggml.add_space_prefix`` is
+    false), characters outside the vocabulary fall back to ``<0xNN>`` byte tokens."""
+    tokens, scores = list(meta("tokenizer.ggml.tokens")), meta("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens):
+        raise ConvertError("GGUF tokenizer.ggml.scores is missing or not one per token; the file is corrupt")
+    unk = meta("tokenizer.ggml.unknown_token_id")
+    prefix = meta("tokenizer.ggml.add_space_prefix")
+    prefix = True if prefix is None else bool(prefix)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=_merges_from_scores(tokens, scores),
+                               unk_token=None if unk is None else tokens[unk], fuse_unk=True, byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first" if prefix else "never",
+                                                 split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok
+
+
+# tokenizer.ggml.model -> (builder, whether BOS is added when the file does not say).
+_TOKENIZER_MODELS = {"gpt2": (_byte_level_bpe, False), "llama": (_sentencepiece_bpe, True)}
+
+
+def _adds_bos(meta: Callable[[str], Any]) -> bool:
+    """``tokenizer.ggml.add_bos_token``, or llama.cpp's default for the vocabulary type."""
+    flag = meta("tokenizer.ggml.add_bos_token")
+    return _TOKENIZER_MODELS[meta("tokenizer.ggml.model")][1] if flag is None else bool(flag)
+
+
 def _add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
     """Register CONTROL tokens as special and USER_DEFINED ones as whole-matched added tokens."""
     special = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
@@ -100,7 +183,8 @@ def _add_special_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> 
     tok.add_tokens(user)
 
 
-def _post_processor(tokens: list[str], bos: int | None, eos: int | None, add_bos: bool, add_eos: bool):
+def _post_processor(tokens: list[str], bos: int | None, eos: int | None, add_bos: bool, add_eos: bool,
+                    byte_level: bool):
     """BOS/EOS insertion as the file asks (``tokenizer.ggml.add_bos_token`` / ``add_eos_token``)."""
     single, pair, specials = "$A", "$A $B", []
     for flag, idx, before in ((add_bos, bos, True), (add_eos, eos, False)):
@@ -113,29 +197,32 @@ def _post_processor(tokens: list[str], bos: int | None, eos: int | None, add_bos
         pair = f"{name} $A {name} $B" if before else f"{pair} {name}"
         specials.append((name, idx))
     if not specials:
-        return processors.ByteLevel(trim_offsets=False)
+        return processors.ByteLevel(trim_offsets=False) if byte_level else None
     return processors.TemplateProcessing(single=single, pair=pair, special_tokens=specials)
 
 
 def gguf_tokenizer(meta: Callable[[str], Any]) -> Tokenizer:
     """A ``tokenizers.Tokenizer`` equivalent to the one a GGUF file describes.
 
-    ``meta(key)`` returns a metadata value or None. Only byte-level BPE (``tokenizer.ggml.model``
-    = ``gpt2``) is supported; anything else raises :class:`ConvertError`.
+    ``meta(key)`` returns a metadata value or None. Byte-level BPE (``tokenizer.ggml.model`` =
+    ``gpt2``) and SentencePiece BPE (``llama``: Llama-2, Mistral-7B) are supported; anything else
+    raises :class:`ConvertError`.
     """
     model = meta("tokenizer.ggml.model")
-    if model != "gpt2":
+    if model not in _TOKENIZER_MODELS:
         raise ConvertError(
-            f"GGUF tokenizer.ggml.model={model!r} is not supported (only 'gpt2', byte-level BPE); "
-            "convert the model's HF directory instead"
+            f"GGUF tokenizer.ggml.model={model!r} is not supported (supported: 'gpt2', byte-level BPE, and "
+            "'llama', SentencePiece BPE); convert the model's HF directory instead"
         )
     tokens = list(meta("tokenizer.ggml.tokens"))
-    tok = _byte_level_bpe(meta)
+    tok = _TOKENIZER_MODELS[model][0](meta)
     _add_special_tokens(tok, tokens, list(meta("tokenizer.ggml.token_type") or []))
-    tok.post_processor = _post_processor(
+    processor = _post_processor(
         tokens, meta("tokenizer.ggml.bos_token_id"), meta("tokenizer.ggml.eos_token_id"),
-        bool(meta("tokenizer.ggml.add_bos_token")), bool(meta("tokenizer.ggml.add_eos_token")),
+        _adds_bos(meta), bool(meta("tokenizer.ggml.add_eos_token")), model == "gpt2",
     )
+    if processor is not None:
+        tok.post_processor = processor
     return tok
 
 
@@ -150,7 +237,7 @@ def write_gguf_tokenizer(meta: Callable[[str], Any], dst: Path) -> list[str]:
     for name, idx in ids.items():
         if idx is not None:
             tok_config[f"{name}_token"] = tokens[idx]
-    tok_config["add_bos_token"] = bool(meta("tokenizer.ggml.add_bos_token"))
+    tok_config["add_bos_token"] = _adds_bos(meta)
     tok_config["add_eos_token"] = bool(meta("tokenizer.ggml.add_eos_token"))
     if meta("tokenizer.chat_template"):
         tok_config["chat_template"] = meta("tokenizer.chat_template")
