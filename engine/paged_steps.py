@@ -328,20 +328,32 @@ class PagedSteps:
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
-        key = (self.config, self.run, self.serving.num_pages, self.serving.page_size, shape)
-        statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
-        with self._compiling(("forward", key)) as done:
-            tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
-            if self.reads_in_place(width):
-                logits, self.pool = _STEPS.call(_forward_in_place, ("in_place", key), self.weights, tokens, read,
-                                                num_new, static=dict(statics, layout=self.layout))
+        with self._compiling(("forward", self._step_key(shape))) as done:
+            fn, signature, args, static = self._forward_call(tokens, num_new, lengths, tables, width)
+            if fn is _forward_in_place:
+                logits, self.pool = _STEPS.call(fn, signature, *args, static=static)
             else:
-                logits, new = _STEPS.call(_forward_logits, ("logits", key), self.weights, tokens, num_new, read,
-                                          static=statics)
-                self.pool = _STEPS.call(_append, ("append", key), self._with_rows(tables, lengths), new,
-                                        static=dict(layout=self.layout))
+                logits, new = _STEPS.call(fn, signature, *args, static=static)
+                self.pool = _STEPS.call(_append, ("append", self._step_key(shape)), self._with_rows(tables, lengths),
+                                        new, static=dict(layout=self.layout))
             done(logits)
         return logits
+
+    def _step_key(self, shape: tuple) -> tuple:
+        """What tells a step of ``shape`` apart from every other serving step of the process."""
+        return self.config, self.run, self.serving.num_pages, self.serving.page_size, shape
+
+    def _forward_call(self, tokens, num_new, lengths, tables, width) -> tuple:
+        """(jitted forward, its signature, arguments, statics) of a ``run_step``: on the kernels,
+        the forward that writes the pages in place; else the forward whose new keys/values
+        ``_append`` writes."""
+        key = self._step_key((*tokens.shape, width))
+        statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
+        tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
+        if self.reads_in_place(width):
+            return _forward_in_place, ("in_place", key), (self.weights, tokens, read, num_new), dict(
+                statics, layout=self.layout)
+        return _forward_logits, ("logits", key), (self.weights, tokens, num_new, read), statics
 
     @contextlib.contextmanager
     def _compiling(self, signature: tuple):
@@ -389,16 +401,18 @@ class PagedSteps:
         compiled without masks). ``top``: 0, or the number of most likely tokens to return with
         their logprobs (``Sampled.top_ids``/``top_logprobs`` [B, top]).
         """
-        args = (rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data, np.asarray(steps, np.int32))
         self.samplings_run.add((len(rows.temperature), mode, masks is not None, top))
+        fn, signature, args, static = self._sample_call(logits, rows, steps, mode, masks, top)
+        return Sampled(*(np.asarray(x) for x in _STEPS.call(fn, signature, *args, static=static)))
+
+    def _sample_call(self, logits, rows: RowParams, steps, mode: SamplingMode, masks, top: int) -> tuple:
+        """(jitted sampling step, its signature, arguments, statics) of a :meth:`sample`."""
+        args = (rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data, np.asarray(steps, np.int32))
         static = dict(mode=mode, top=top, layout=self.sample_layout)
         key = (self.config, self.run, len(rows.temperature), mode, top)
         if masks is None:
-            out = _STEPS.call(_sample_rows, ("sample", key), logits, *self._host(args), static=static)
-        else:
-            args = self._host((*args, np.asarray(masks, np.uint32)))
-            out = _STEPS.call(_sample_masked, ("sample_masked", key), logits, *args, static=static)
-        return Sampled(*(np.asarray(x) for x in out))
+            return _sample_rows, ("sample", key), (logits, *self._host(args)), static
+        return _sample_masked, ("sample_masked", key), (logits, *self._host((*args, np.asarray(masks, np.uint32)))), static
 
     def warmup(self, constrained: bool = False, top_logprobs: bool = False) -> int:
         """Compile every shape serving can use; returns how many calls it made. Sampling with
@@ -407,22 +421,27 @@ class PagedSteps:
 
         Each call writes nothing (no real token) and so leaves the pool as it was.
         """
-        s, calls = self.serving, 0
-        full = np.zeros((1, s.max_table_pages), np.int32)
-        for T, W in s.prefill_shapes():
-            self.run_step(np.zeros((1, T)), np.zeros(1), np.zeros(1), full, W)
-            calls += 1
-        for B, W in itertools.product(s.decode_batches(), s.table_widths()):
-            self.run_step(np.zeros((B, 1)), np.zeros(B), np.zeros(B), np.zeros((B, s.max_table_pages), np.int32), W)
-            calls += 1
+        s = self.serving
+        steps = [(np.zeros((1, T)), np.zeros(1), np.zeros(1), np.zeros((1, s.max_table_pages), np.int32), W)
+                 for T, W in s.prefill_shapes()]
+        steps += [(np.zeros((B, 1)), np.zeros(B), np.zeros(B), np.zeros((B, s.max_table_pages), np.int32), W)
+                  for B, W in itertools.product(s.decode_batches(), s.table_widths())]
         masked = (False, True) if constrained else (False,)
         tops = (0, MAX_TOP_LOGPROBS) if top_logprobs else (0,)  # ``top_width`` of none and of any
+        samplings = []
         for B, mode, mask, top in itertools.product(s.decode_batches(), SamplingMode, masked, tops):
             masks = np.tile(allow_all(self.config.vocab_size), (B, 1)) if mask else None
-            self.sample(jnp.zeros((B, self.config.vocab_size), jnp.float32), RowParams.of([], [], B),
-                        np.zeros(B), mode, masks, self.top_width(top))
-            calls += 1
-        return calls
+            samplings.append((jnp.zeros((B, self.config.vocab_size), jnp.float32), RowParams.of([], [], B),
+                              np.zeros(B), mode, masks, self.top_width(top)))
+        # The forwards and samplings compile in parallel first (the page writes, whose inputs
+        # are forward outputs, compile as the shapes then run one by one).
+        _STEPS.prepare_all([self._forward_call(*step) for step in steps]
+                           + [self._sample_call(*sampling) for sampling in samplings])
+        for step in steps:
+            self.run_step(*step)
+        for sampling in samplings:
+            self.sample(*sampling)
+        return len(steps) + len(samplings)
 
     def top_width(self, k: int) -> int:
         """The ``top`` a batch whose rows ask for at most ``k`` top logprobs samples with: 0, or

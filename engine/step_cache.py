@@ -24,10 +24,12 @@ cache's own (``<dir>/steps``): on and off with ``--compile-cache``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import logging
 import os
 import pickle
+import threading
 from pathlib import Path
 from typing import Any, Callable, Hashable
 
@@ -109,6 +111,7 @@ class StepCache:
         self._directory = directory
         self._scope = scope
         self._compiled: dict[Hashable, Callable] = {}
+        self._lock = threading.Lock()  # prepare() runs in threads
         self.loaded = 0  # executables read from disk
         self.built = 0  # executables traced and compiled here
 
@@ -130,6 +133,27 @@ class StepCache:
             compiled = self._compiled[signature] = self._load_or_build(fn, static, args, kwargs)
         return compiled(*args, **kwargs)
 
+    def prepare_all(self, calls: list[tuple], threads: int | None = None) -> None:
+        """Compile (or read) the steps of ``calls`` without running them, several at once.
+
+        Each call is ``(fn, signature, args, static)`` as :meth:`call` would get them (``args``
+        may be ``jax.ShapeDtypeStruct`` with shardings). XLA compiles outside Python's lock, so
+        threads overlap the compiles (the tracing before them stays serial); ``threads`` None:
+        one per core, at most 8. Signatures already in memory are skipped.
+        """
+        todo = {sig: (fn, args, static) for fn, sig, args, static in calls if sig not in self._compiled}
+        workers = max(1, min(threads or os.cpu_count() or 1, 8, len(todo)))
+
+        def build(item):
+            sig, (fn, args, static) = item
+            compiled = self._load_or_build(fn, static, args, {})
+            with self._lock:
+                self._compiled.setdefault(sig, compiled)
+
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            for _ in pool.map(build, todo.items()):  # re-raises the first failure
+                pass
+
     def _key(self, fn: Any, static: dict, args: tuple, kwargs: dict) -> str:
         leaves, tree = jax.tree.flatten((args, kwargs))
         name = getattr(fn, "__name__", repr(fn))
@@ -144,11 +168,13 @@ class StepCache:
             path = directory / f"{self._key(fn, static, args, kwargs)}.xla"
             loaded = self._read(path)
             if loaded is not None:
-                self.loaded += 1
+                with self._lock:
+                    self.loaded += 1
                 return loaded
         hits = _persistent_hits
         compiled = fn.lower(*args, **static, **kwargs).compile()
-        self.built += 1
+        with self._lock:
+            self.built += 1
         if path is not None and _persistent_hits == hits:  # a fresh compile (see _PERSISTENT_HIT)
             self._write(path, compiled)
         return compiled
