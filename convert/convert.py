@@ -373,9 +373,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     ``dst``: a directory that must not exist yet. ``dtype``: storage dtype, one of "float32",
     "bfloat16", "float16", or None to keep the source precision (see :func:`storage_dtype`).
     ``progress``: show a progress bar on stderr. ``quantize``: weight quantization, one of
-    none, int8, fp8, fp8-block, int4 (``dayzero.model.quant.WeightQuant``; None: none); dtype
-    then applies to the leaves left in float. ``placement`` (a
-    ``dayzero.sharding.placement.Placement``): write the arrays laid out for its mesh (any mesh,
+    none, int8, fp8, fp8-block, int4, mxfp4 (``dayzero.model.quant.WeightQuant``); None keeps
+    an MXFP4 checkpoint's experts as stored and is none otherwise, while none always makes a
+    float model (``dayzero.convert.mxfp4``); dtype then applies to the leaves left in float.
+    ``placement`` (a ``dayzero.sharding.placement.Placement``): write the arrays laid out for its mesh (any mesh,
     or one device, can still load them). ``resume``: continue the interrupted conversion staged
     in ``DST.partial`` (see :mod:`dayzero.convert.staging`); without it such a directory is an
     error. ``threads``: how many source tensors are read, transformed and hashed at once

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 
 from dayzero.convert.errors import ConvertError
+from dayzero.model.quant import ValueFormat
 
 SCALE_SUFFIX = "_scale_inv"
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -53,6 +54,8 @@ class Fp8DequantReader:
     Scale tensors are consumed here and not listed by ``keys()``; an FP8 tensor without a scale,
     or a scale without its weight, is an error (the checkpoint is incomplete).
     """
+
+    stored_as = ValueFormat.FP8  # the format ``get_scaled`` gives (see convert.quantize.native_leaf)
 
     def __init__(self, inner, block: tuple[int, int], where: str = ""):
         self.inner = inner

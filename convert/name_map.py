@@ -112,7 +112,7 @@ def key_in_group(target: str) -> tuple[str, ...]:
 
 
 # --- Hugging Face (llama / mistral / qwen2 / qwen3 / mixtral / qwen3_moe / deepseek / glm4_moe /
-# minimax_m2) ---
+# minimax_m2 / gpt_oss) ---
 
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")  # a derived buffer old checkpoints saved
 
@@ -145,6 +145,7 @@ _PER_EXPERT_NAMES = {
     Family.DEEPSEEK_V3: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.KIMI_K2: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.DEEPSEEK_V32: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
+    Family.GLM_MOE_DSA: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.GLM4_MOE: _ExpertNames("mlp", "gate_proj", "up_proj", "down_proj"),
     Family.MINIMAX_M2: _ExpertNames("block_sparse_moe", "w1", "w3", "w2"),
 }
@@ -204,9 +205,10 @@ def _hf_fused_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
     ] + _deepseek_router_extras(c, src, dst)
 
 
-def _hf_mla(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
-    """HF deepseek_v3 latent attention: q_a_proj/q_a_layernorm/q_b_proj (or q_proj),
-    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj (split into k_up and v_up), o_proj."""
+def _hf_mla(c: ModelConfig, src: str, dst: str, i: int) -> list[Recipe]:
+    """HF deepseek_v3 latent attention of layer ``i``: q_a_proj/q_a_layernorm/q_b_proj (or q_proj),
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj (split into k_up and v_up), o_proj; the
+    indexer with sparse attention, except on GLM-5's shared layers (which have none)."""
     m, D, N = c.mla, c.hidden_size, c.num_heads
     Q, L, P, R, V = m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_head_dim
     attn = src + "self_attn."
@@ -221,7 +223,7 @@ def _hf_mla(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
     ]
     if Q is None:
         return r + [Recipe(dst + "attn/q", attn + "q_proj.weight", (N * (P + R), D), heads_in)]
-    if c.dsa is not None:
+    if c.dsa is not None and c.dsa.runs_indexer(i):
         r += _hf_indexer(c, attn + "indexer.", dst + "attn/indexer/")
     return r + [
         Recipe(dst + "attn/q_a", attn + "q_a_proj.weight", (Q, D), (T.transpose,)),
@@ -267,14 +269,36 @@ def _hf_gqa(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
     elif c.qk_norm:
         r.append(Recipe(dst + "attn/q_norm", src + "self_attn.q_norm.weight", (H,)))
         r.append(Recipe(dst + "attn/k_norm", src + "self_attn.k_norm.weight", (H,)))
+    if c.attention_sinks:  # gpt-oss: one logit per query head
+        r.append(Recipe(dst + "attn/sinks", src + "self_attn.sinks", (N,)))
     return r
+
+
+def _hf_gpt_oss_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """HF gpt_oss's MoE block (one layout, published and ``save_pretrained`` alike): router
+    ``mlp.router.weight`` [E,D] and ``.bias`` [E]; ``mlp.experts.gate_up_proj`` [E,D,2F] already
+    input-major, gate and up interleaved along its columns (gate even, up odd), its bias
+    ``gate_up_proj_bias`` [E,2F] alike; ``down_proj`` [E,F,D] and ``down_proj_bias`` [E,D]."""
+    D, E, F = c.hidden_size, c.moe.num_experts, c.moe.intermediate_size
+    experts = src + "mlp.experts."
+    part = lambda p: (partial(T.deinterleave, axis=-1, part=p),)  # noqa: E731
+    return [
+        Recipe(dst + "mlp/router", src + "mlp.router.weight", (E, D), (T.transpose,)),
+        Recipe(dst + "mlp/router_bias", src + "mlp.router.bias", (E,)),
+        Recipe(dst + "mlp/gate", experts + "gate_up_proj", (E, D, 2 * F), part(0)),
+        Recipe(dst + "mlp/up", experts + "gate_up_proj", (E, D, 2 * F), part(1)),
+        Recipe(dst + "mlp/gate_bias", experts + "gate_up_proj_bias", (E, 2 * F), part(0)),
+        Recipe(dst + "mlp/up_bias", experts + "gate_up_proj_bias", (E, 2 * F), part(1)),
+        Recipe(dst + "mlp/down", experts + "down_proj", (E, F, D)),
+        Recipe(dst + "mlp/down_bias", experts + "down_proj_bias", (E, D)),
+    ]
 
 
 def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP) -> list[Recipe]:
     D = c.hidden_size
     src, dst = f"model.layers.{i}.", f"layers/{i}/"
     r = [Recipe(dst + "attn_norm", src + "input_layernorm.weight", (D,))]
-    r += (_hf_mla if c.mla is not None else _hf_gqa)(c, src, dst)
+    r += _hf_mla(c, src, dst, i) if c.mla is not None else _hf_gqa(c, src, dst)
     r.append(Recipe(dst + "mlp_norm", src + "post_attention_layernorm.weight", (D,)))
     return r + (experts if c.is_moe_layer(i) else _hf_dense_mlp)(c, src, dst)
 
@@ -294,7 +318,7 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
-    """The multi-token-prediction modules of DeepSeek-V3 and GLM-4.5 (``num_nextn_predict_layers``;
+    """The multi-token-prediction modules of DeepSeek-V3, GLM-4.5 and GLM-5 (``num_nextn_predict_layers``;
     MiniMax-M2's ``num_mtp_modules`` x ``mtp_transformer_layers`` alike),
     stored as layers num_layers and up: plain decoding never runs them (speculative decoding with
     them is not implemented), so they are skipped, as HF's own ``*ForCausalLM`` skips them when
@@ -306,45 +330,102 @@ def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
 
 def hf_name_map(c: ModelConfig) -> NameMap:
     """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral,
-    qwen3_moe, deepseek_v3, kimi_k2, deepseek_v32, glm4_moe and minimax_m2 families; MoE experts per
-    expert, or fused as an alternative layout."""
+    qwen3_moe, deepseek_v3, kimi_k2, deepseek_v32, glm_moe_dsa, glm4_moe, minimax_m2 and gpt_oss families; MoE
+    experts per expert, or fused as an alternative layout (gpt_oss: its one layout)."""
 
     def ignored(name: str) -> bool:
         # A tied model may still carry a copy of the embedding as lm_head.weight: it is not read.
         return (bool(_HF_IGNORED.search(name)) or (c.tie_word_embeddings and name == "lm_head.weight")
                 or _is_mtp_tensor(c, name))
 
+    if c.family is Family.GPT_OSS:  # its experts have one layout only
+        return NameMap(_hf_recipes(c, _hf_gpt_oss_experts), ignored)
     fused = (_hf_recipes(c, _hf_fused_experts),) if c.moe is not None else ()
     return NameMap(_hf_recipes(c, _hf_experts), ignored, fused)
 
 
-# --- GGUF (llama.cpp's "llama" architecture) ----------------------------------------------------
+# --- GGUF (llama.cpp's llama, qwen2, qwen3, qwen3moe and minimax-m2 architectures) ----------------
+
+# The families llama.cpp writes in these layouts (the GGUF source's config says which one a file is).
+_GGUF_FAMILIES = (Family.LLAMA, Family.QWEN2, Family.QWEN3, Family.QWEN3_MOE, Family.MINIMAX_M2)
 
 
-def _gguf_layer(c: ModelConfig, i: int) -> list[Recipe]:
-    D, F, N, K, H = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
-    src, dst = f"blk.{i}.", f"layers/{i}/"
-    return [
-        Recipe(dst + "attn_norm", src + "attn_norm.weight", (D,)),
-        Recipe(dst + "attn/q", src + "attn_q.weight", (N * H, D),
-               (partial(T.llama_cpp_unpermute, heads=N), partial(T.split_heads_in, heads=N, head_dim=H))),
-        Recipe(dst + "attn/k", src + "attn_k.weight", (K * H, D),
-               (partial(T.llama_cpp_unpermute, heads=K), partial(T.split_heads_in, heads=K, head_dim=H))),
-        Recipe(dst + "attn/v", src + "attn_v.weight", (K * H, D),
-               (partial(T.split_heads_in, heads=K, head_dim=H),)),
+def _gguf_attention(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """q/k/v/o (``attn_q`` ...), with qwen2's q/k/v biases, qwen3's per-head q/k norms or
+    minimax-m2's q/k norms over all heads together ([n*H], kept head-split like q and k).
+
+    llama.cpp permutes the q and k rows of the ``llama`` architecture only (its rotary kernel
+    there pairs adjacent elements); the others keep HF's row order (NeoX-style rotary)."""
+    D, N, K, H = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    permuted = c.family is Family.LLAMA
+
+    def heads_in(n: int, permute: bool) -> tuple[Transform, ...]:
+        unpermute = (partial(T.llama_cpp_unpermute, heads=n),) if permute else ()
+        return unpermute + (partial(T.split_heads_in, heads=n, head_dim=H),)
+
+    r = [
+        Recipe(dst + "attn/q", src + "attn_q.weight", (N * H, D), heads_in(N, permuted)),
+        Recipe(dst + "attn/k", src + "attn_k.weight", (K * H, D), heads_in(K, permuted)),
+        Recipe(dst + "attn/v", src + "attn_v.weight", (K * H, D), heads_in(K, False)),
         Recipe(dst + "attn/o", src + "attn_output.weight", (D, N * H),
                (partial(T.split_heads_out, heads=N, head_dim=H),)),
-        Recipe(dst + "mlp_norm", src + "ffn_norm.weight", (D,)),
-        Recipe(dst + "mlp/gate", src + "ffn_gate.weight", (F, D), (T.transpose,)),
-        Recipe(dst + "mlp/up", src + "ffn_up.weight", (F, D), (T.transpose,)),
-        Recipe(dst + "mlp/down", src + "ffn_down.weight", (D, F), (T.transpose,)),
+    ]
+    if c.qkv_bias:
+        for name, n in (("q", N), ("k", K), ("v", K)):
+            r.append(Recipe(dst + f"attn/{name}_bias", src + f"attn_{name}.bias", (n * H,),
+                            (partial(T.split_bias, heads=n, head_dim=H),)))
+    if c.qk_norm_all_heads:
+        for name, n in (("q", N), ("k", K)):
+            r.append(Recipe(dst + f"attn/{name}_norm", src + f"attn_{name}_norm.weight", (n * H,),
+                            (partial(T.split_bias, heads=n, head_dim=H),)))
+    elif c.qk_norm:
+        r.append(Recipe(dst + "attn/q_norm", src + "attn_q_norm.weight", (H,)))
+        r.append(Recipe(dst + "attn/k_norm", src + "attn_k_norm.weight", (H,)))
+    return r
+
+
+def _gguf_mlp(c: ModelConfig, i: int, src: str, dst: str) -> list[Recipe]:
+    """A dense MLP (``ffn_gate`` ...) or, in a sparse layer, the router ``ffn_gate_inp`` [E, D]
+    and the experts llama.cpp stores stacked: ``ffn_{gate,up}_exps`` [E, F, D], ``ffn_down_exps``
+    [E, D, F] (PyTorch order); minimax-m2's selection bias is ``exp_probs_b.bias`` [E]."""
+    D = c.hidden_size
+    if not c.is_moe_layer(i):
+        F = c.intermediate_size
+        return [
+            Recipe(dst + "mlp/gate", src + "ffn_gate.weight", (F, D), (T.transpose,)),
+            Recipe(dst + "mlp/up", src + "ffn_up.weight", (F, D), (T.transpose,)),
+            Recipe(dst + "mlp/down", src + "ffn_down.weight", (D, F), (T.transpose,)),
+        ]
+    E, F = c.moe.num_experts, c.moe.intermediate_size
+    bias = [Recipe(dst + "mlp/score_bias", src + "exp_probs_b.bias", (E,))] if c.moe.score_bias else []
+    return bias + [
+        Recipe(dst + "mlp/router", src + "ffn_gate_inp.weight", (E, D), (T.transpose,)),
+        Recipe(dst + "mlp/gate", src + "ffn_gate_exps.weight", (E, F, D), (T.transpose_experts,)),
+        Recipe(dst + "mlp/up", src + "ffn_up_exps.weight", (E, F, D), (T.transpose_experts,)),
+        Recipe(dst + "mlp/down", src + "ffn_down_exps.weight", (E, D, F), (T.transpose_experts,)),
     ]
 
 
+def _gguf_layer(c: ModelConfig, i: int) -> list[Recipe]:
+    D = c.hidden_size
+    src, dst = f"blk.{i}.", f"layers/{i}/"
+    r = [Recipe(dst + "attn_norm", src + "attn_norm.weight", (D,))]
+    r += _gguf_attention(c, src, dst)
+    r.append(Recipe(dst + "mlp_norm", src + "ffn_norm.weight", (D,)))
+    return r + _gguf_mlp(c, i, src, dst)
+
+
 def gguf_name_map(c: ModelConfig) -> NameMap:
-    """Map for llama.cpp GGUF files of architecture ``llama`` (shapes in [out, in] order)."""
-    if c.qkv_bias or c.o_bias or c.qk_norm:
-        raise ConvertError("GGUF llama files carry no attention biases or q/k norms; the config asks for them")
+    """Map for llama.cpp GGUF files of the ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe`` and
+    ``minimax-m2`` architectures (shapes in [out, in] order, as the GGUF reader reports them)."""
+    if c.family not in _GGUF_FAMILIES:
+        raise ConvertError(f"GGUF files of the {c.family.value} family are not supported; convert its HF directory")
+    if c.moe is not None and c.moe.shared_experts:
+        raise ConvertError("GGUF files with shared experts are not supported; convert the model's HF directory")
+    if c.o_bias or (c.qkv_bias and c.family is Family.LLAMA):
+        raise ConvertError(
+            f"GGUF {c.family.value} files carry no o_proj bias (nor llama q/k/v biases); the config asks for them"
+        )
     D, V = c.hidden_size, c.vocab_size
     recipes = [Recipe("embed", "token_embd.weight", (V, D))]
     for i in range(c.num_layers):

@@ -6,12 +6,15 @@ A leaf the scheme quantizes (a :class:`~dayzero.model.quant.QuantizedArray` node
 
 - from float: the leaf is read and transformed as an unquantized one would be (in float32), then
   quantized on the host, one expert at a time for expert stacks;
-- native FP8 (``fp8-block`` from a DeepSeek block-FP8 checkpoint): the stored e4m3 values go
-  through the recipe's transforms (transposes, head splits: pure rearrangements) unchanged, and
-  their block scales are carried into the leaf's [in, out] blocks. That works when every block of
-  the leaf holds one source scale; :func:`native_fp8_leaf` checks it by moving the per-element
-  scales through the same transforms. A leaf whose rows mix source blocks (e.g. MLA's k_up when
-  a head's key rows do not fill whole 128-row blocks) is dequantized and quantized again instead.
+- native (``fp8-block`` from a DeepSeek block-FP8 checkpoint; ``mxfp4``, the default, from
+  gpt-oss's MXFP4 experts, ``dayzero.convert.mxfp4``): the stored e4m3 / e2m1 values go through
+  the recipe's transforms (transposes, head splits, gate/up de-interleaving: pure
+  rearrangements) unchanged, and their block scales are carried into the leaf's [in, out]
+  blocks. That works when every block of the leaf holds one source scale; :func:`native_leaf`
+  checks it by moving the per-element scales through the same transforms (so a transform along
+  the output axis moves MXFP4's per-column scales with their columns). A leaf whose rows mix
+  source blocks (e.g. MLA's k_up when a head's key rows do not fill whole 128-row blocks) is
+  dequantized and quantized again instead.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from dayzero.convert.errors import ConvertError
 from dayzero.convert.fp8 import Fp8DequantReader
+from dayzero.convert.mxfp4 import Mxfp4Reader
 from dayzero.convert.name_map import Combine, Recipe, check_shape
 from dayzero.convert.sources import Source
 from dayzero.model.quant import (
@@ -35,11 +39,16 @@ CONVERT_CHOICES = tuple(q.value for q in WeightQuant)
 
 
 def quant_config(name: str | None, source: Source) -> QuantConfig:
-    """The :class:`QuantConfig` for ``--quantize name`` (None: none) on this source.
+    """The :class:`QuantConfig` for ``--quantize name`` on this source.
 
-    ``fp8-block`` on a block-FP8 checkpoint takes the checkpoint's block ([out, in] there,
-    [in, out] in dayzero's input-first layout) so that its values can be kept as stored.
+    None (no ``--quantize``) keeps an MXFP4 checkpoint's experts as stored (``mxfp4``) and is
+    ``none`` for every other source (a block-FP8 one is dequantized); ``none`` asks for a float
+    model whatever the source. ``fp8-block`` on a block-FP8 checkpoint takes the checkpoint's
+    block ([out, in] there, [in, out] in dayzero's input-first layout) so that its values can be
+    kept as stored.
     """
+    if name is None and isinstance(source.reader, Mxfp4Reader):
+        return QuantConfig(WeightQuant.MXFP4)
     try:
         scheme = parse_weight_quant(name or "none", allow_auto=False)
     except QuantError as e:
@@ -72,13 +81,18 @@ def _block_scales(per_element: np.ndarray, in_axes: tuple[int, ...], block: tupl
     return np.ascontiguousarray(sampled) if np.array_equal(expanded, matrix) else None
 
 
-def native_fp8_leaf(recipe: Recipe, source: Source, node: QuantizedArray,
-                    expected: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
-    """(values, scale) of a leaf kept in the source's FP8 with its block scales, or None when the
-    source is not FP8 for this leaf or its blocks do not map onto the leaf's blocks."""
+# How quantized_leaf reports a leaf kept in its source's format (manifest "quantized").
+NATIVE = {ValueFormat.FP8: "fp8-native", ValueFormat.MXFP4: "mxfp4-native"}
+
+
+def native_leaf(recipe: Recipe, source: Source, node: QuantizedArray,
+                expected: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray] | None:
+    """(values, scale) of a leaf kept in the source's stored format (FP8 or MXFP4) with its block
+    scales, or None when the source is not stored in ``node``'s format for this leaf or its
+    blocks do not map onto the leaf's blocks."""
     reader = source.reader
-    if not (isinstance(reader, Fp8DequantReader) and node.fmt is ValueFormat.FP8 and node.block is not None
-            and all(reader.is_scaled(name) for name in recipe.sources)):
+    if not (isinstance(reader, (Fp8DequantReader, Mxfp4Reader)) and node.fmt is reader.stored_as
+            and node.block is not None and all(reader.is_scaled(name) for name in recipe.sources)):
         return None
     stacked = recipe.combine is Combine.STACK
     in_axes = tuple(a - 1 for a in node.in_axes) if stacked else node.in_axes
@@ -102,10 +116,11 @@ def native_fp8_leaf(recipe: Recipe, source: Source, node: QuantizedArray,
 
 def quantized_leaf(recipe: Recipe, source: Source, node: QuantizedArray, expected: tuple[int, ...],
                    read_float: Callable[[], np.ndarray]) -> tuple[dict[str, np.ndarray], str]:
-    """``({"values": ..., "scale": ...}, how)`` for one quantized leaf; ``how`` is "fp8-native"
-    when the source's FP8 values were kept, else "quantized" (from ``read_float()``)."""
-    native = native_fp8_leaf(recipe, source, node, expected)
+    """``({"values": ..., "scale": ...}, how)`` for one quantized leaf; ``how`` is "fp8-native" or
+    "mxfp4-native" when the source's stored values were kept, else "quantized" (from
+    ``read_float()``)."""
+    native = native_leaf(recipe, source, node, expected)
     if native is not None:
-        return {"values": native[0], "scale": native[1]}, "fp8-native"
+        return {"values": native[0], "scale": native[1]}, NATIVE[node.fmt]
     values, scale = quantize_host(read_float(), node.fmt, node.in_axes, node.block)
     return {"values": values, "scale": scale}, "quantized"

@@ -10,6 +10,7 @@ from typing import Any
 from dayzero.convert.errors import ConvertError
 from dayzero.convert.fp8 import Fp8DequantReader
 from dayzero.convert.gguf_config import hf_config_from_gguf
+from dayzero.convert.mxfp4 import Mxfp4Reader, is_mxfp4
 from dayzero.convert.name_map import NameMap, gguf_name_map, hf_name_map
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, ShardedReader, TorchReader, TensorReader
 from dayzero.convert.tokenizer_export import copy_hf_tokenizer, write_gguf_tokenizer
@@ -87,7 +88,10 @@ def _hf_dir_reader(directory: Path) -> tuple[str, TensorReader]:
 
 
 def _dequantizing(reader: TensorReader, hf_config: dict[str, Any], where: Path) -> TensorReader:
-    """The reader itself, or for a block-FP8 checkpoint one that dequantizes while reading."""
+    """The reader itself, or for a block-FP8 checkpoint one that dequantizes while reading, or for
+    an MXFP4 one (gpt-oss) one that presents each blocks + scales pair as one tensor."""
+    if is_mxfp4(hf_config, str(where)):
+        return Mxfp4Reader(reader, str(where))
     try:
         block = fp8_block_size(hf_config)
     except ConfigError as e:
@@ -104,7 +108,7 @@ def open_source(src: Path) -> Source:
         fmt, reader = _hf_dir_reader(src)
         return Source(src, fmt, _dequantizing(reader, hf_config, src), hf_config, src)
     if src.suffix == ".gguf":
-        reader = GGUFTensorReader(src)
+        reader = GGUFTensorReader(src, split=True)  # any part of a split file brings all parts
         hf_config = hf_config_from_gguf(
             lambda key: reader.metadata(key), reader.metadata_keys(),
             len(reader.metadata("tokenizer.ggml.tokens") or ()), "output.weight" in reader.keys(),

@@ -69,6 +69,18 @@ def split_gate_up(x: np.ndarray, half: int) -> np.ndarray:
     return transpose_experts(x[:, half * width : (half + 1) * width])
 
 
+def deinterleave(x: np.ndarray, axis: int, part: int) -> np.ndarray:
+    """Entries ``part``, ``part + 2``, ``part + 4``, ... of ``axis``: one of two projections
+    stored interleaved along it (gpt-oss's ``gate_up_proj`` [E, D, 2F] keeps gate in the even
+    columns and up in the odd ones, and its bias [E, 2F] alike). A strided view, whatever the
+    dtype (quantized values and their per-column scales split the same way along that axis)."""
+    if part not in (0, 1) or x.shape[axis] % 2:
+        raise ValueError(f"deinterleave takes part 0 or 1 of an even axis; got part {part} of {x.shape[axis]}")
+    index = [slice(None)] * x.ndim
+    index[axis] = slice(part, None, 2)
+    return x[tuple(index)]
+
+
 def split_kv_up(x: np.ndarray, heads: int, nope_dim: int, part: int) -> np.ndarray:
     """One half of MLA's ``kv_b_proj`` [heads*(P+V), L] (per head: P key rows, then V value rows)
     -> the key up-projection [L, heads, P] (``part`` 0) or the value one [L, heads, V] (1)."""

@@ -16,7 +16,7 @@ from dayzero.sharding.distributed import MeshError, ProcessGroup, initialize, pa
 KERNEL_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
 # Names as dayzero.model.quant's enums spell them, for --help (which should not import jax). The
 # values are checked by dayzero.model.quant, whose error names the bad value and lists these.
-CONVERT_QUANT = "none|int8|fp8|fp8-block|int4"
+CONVERT_QUANT = "none|int8|fp8|fp8-block|int4|mxfp4"
 KV_CACHE = "auto|none|int8|fp8"
 
 
@@ -106,8 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("src", help="HF model directory, .bin/.pt/.pth state dict, or .gguf file")
     c.add_argument("dst", help="new directory to create")
     c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="storage dtype (default: the source's)")
-    c.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",
-                   help="store projection weights quantized (fp8-block keeps a block-FP8 source's values)")
+    c.add_argument("--quantize", metavar=CONVERT_QUANT,
+                   help="store projection weights quantized (fp8-block keeps a block-FP8 source's values; default: "
+                        "none, except an MXFP4 source's experts, kept as stored)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--resume", action="store_true",
                    help="continue the interrupted conversion staged in DST.partial (same options)")
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="per-device memory on N devices: weights, KV cache, activations, mesh, fits?")
     model = pl.add_mutually_exclusive_group(required=True)
     model.add_argument("--config", metavar="PATH", help="HF config.json (or the directory holding it)")
-    model.add_argument("--preset", metavar="NAME", help="a named model: deepseek-v3, kimi-k2, frontier-3t-1m")
+    model.add_argument("--preset", metavar="NAME", help="a named model: deepseek-v3, kimi-k2, gpt-oss-120b, gpt-oss-20b, frontier-3t-1m")
     pl.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
     pl.add_argument("--device-memory", required=True, metavar="SIZE", help="memory per device, e.g. 80GiB or 141GB")
     pl.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",

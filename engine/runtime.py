@@ -251,6 +251,8 @@ def weights_storage(weights: Any) -> QuantConfig:
         return QuantConfig()
     if ValueFormat.INT4 in formats:
         return QuantConfig(WeightQuant.INT4)
+    if ValueFormat.MXFP4 in formats:
+        return QuantConfig(WeightQuant.MXFP4)
     blocked = [x.block for x in nodes if x.block is not None]
     if blocked:
         # Weights aligned for a mesh hold finer blocks that divide the stored one; their lcm is

@@ -27,11 +27,17 @@ class Family(enum.Enum):
     DEEPSEEK_V3 = "deepseek_v3"
     KIMI_K2 = "kimi_k2"  # Kimi-K2 publishes the DeepSeek-V3 architecture under its own name
     DEEPSEEK_V32 = "deepseek_v32"  # DeepSeek-V3 plus DeepSeek Sparse Attention (see DSAConfig)
+    # GLM-5: DeepSeek-V3.2's layers with an interleaved-RoPE indexer whose picks "shared" layers
+    # reuse from the last "full" one (DSAConfig.shared)
+    GLM_MOE_DSA = "glm_moe_dsa"
     # GLM-4.5/4.6/4.7: GQA with q/k/v biases, optional q/k norms and partial RoPE, DeepSeek-V3 routing
     GLM4_MOE = "glm4_moe"
     # MiniMax-M2/M2.1: GQA with q/k RMSNorm over all heads together, partial RoPE, sigmoid routing
     # with a selection bias in every layer (no groups, no shared experts)
     MINIMAX_M2 = "minimax_m2"
+    # gpt-oss: GQA with q/k/v/o biases and attention sinks, alternating sliding-window and full
+    # layers, YaRN; softmax routing with a router bias, experts with biases and a clamped SwiGLU
+    GPT_OSS = "gpt_oss"
 
 
 class AttentionKind(enum.Enum):
@@ -94,6 +100,13 @@ class MoEConfig:
     scores without bias, renormalised to sum 1 if ``renormalize``, times ``routed_scaling``.
     Mixtral and Qwen3-MoE use softmax scores and the defaults below; DeepSeek-V3 uses sigmoid
     scores, a bias, groups, scaling and shared experts.
+
+    gpt-oss: a ``router_bias`` added to the logits before anything else (so, unlike
+    ``score_bias``, it moves both the choice and the weights), softmax scores renormalised over
+    the C chosen (HF's softmax over the top-k logits, the same numbers), experts with biases
+    (``expert_bias``) and the clamped SwiGLU of ``dayzero.model.moe.gated``: gate clamped above
+    and up on both sides at ``swiglu_limit``, gate * sigmoid(``swiglu_alpha`` * gate) *
+    (up + ``swiglu_up_shift``). The defaults are the plain SwiGLU silu(gate) * up.
     """
 
     num_experts: int  # E
@@ -109,8 +122,15 @@ class MoEConfig:
     groups_per_token: int = 1  # topk_group: groups ranked by the sum of their two best scores
     routed_scaling: float = 1.0  # routed_scaling_factor, applied to the routed experts' weights
     shared_experts: int = 0  # n_shared_experts: a dense SwiGLU of width shared_experts * F added
+    router_bias: bool = False  # a learned [E] bias added to the router logits (gpt-oss)
+    expert_bias: bool = False  # biases on each expert's gate/up [E,F] and down [E,D] (gpt-oss)
+    swiglu_limit: float | None = None  # clamp of the experts' gate (above) and up (both sides)
+    swiglu_alpha: float = 1.0  # gate * sigmoid(alpha * gate); 1 is silu
+    swiglu_up_shift: float = 0.0  # the up projection enters as (up + shift); gpt-oss adds 1
 
     def __post_init__(self):
+        if self.swiglu_limit is not None and not self.swiglu_limit > 0:
+            raise ConfigError(f"swiglu_limit={self.swiglu_limit} must be positive (or null for no clamp)")
         if not 1 <= self.experts_per_token <= self.num_experts:
             raise ConfigError(
                 f"num_experts_per_tok={self.experts_per_token} must be between 1 and the number of "
@@ -157,12 +177,27 @@ class DSAConfig:
     Indexer (``dayzero.model.dsa``): I = ``heads`` queries of width ``head_dim`` from the q LoRA
     latent, one key of ``head_dim`` per token (LayerNorm'd, cached beside the latent row), and a
     per-head weight from the hidden state; the first ``rope_dim`` dims of queries and keys are
-    rotated with half-split pairs (not the interleaved pairs of the main attention).
+    rotated with half-split pairs (not the interleaved pairs of the main attention), or with
+    interleaved pairs when ``rope_interleave`` (GLM-5).
+
+    GLM-5 (HF ``indexer_types``): a layer marked in ``shared`` runs no indexer and attends to the
+    tokens the last unmarked layer before it picked (empty: every layer runs its own).
     """
 
     topk: int  # index_topk: tokens each query attends to
     heads: int  # index_n_heads
     head_dim: int  # index_head_dim
+    rope_interleave: bool = False  # the indexer's rotary pairs adjacent (GLM-5), not half-split
+    shared: tuple[bool, ...] = ()  # per layer: reuses the previous full layer's picks
+
+    def __post_init__(self):
+        # A JSON list reads back as the tuple; no shared layer at all is the plain () of DeepSeek-V3.2.
+        shared = tuple(bool(s) for s in self.shared)
+        object.__setattr__(self, "shared", shared if any(shared) else ())
+
+    def runs_indexer(self, i: int) -> bool:
+        """Whether layer ``i`` picks its own tokens (False: it reuses the last full layer's picks)."""
+        return not self.shared or not self.shared[i]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +227,9 @@ class ModelConfig:
     qk_norm_all_heads: bool = False
     # Per layer: None for full causal attention, else the sliding window length.
     sliding_windows: tuple[int | None, ...] = ()
+    # A learned logit per query head in each attention softmax's denominator, a key whose value
+    # is zero (gpt-oss's sinks, weights ``AttentionWeights.sinks`` [N] in float32).
+    attention_sinks: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None
@@ -222,6 +260,13 @@ class ModelConfig:
                 "sparse attention needs latent attention with a q LoRA (q_lora_rank) and "
                 f"index_head_dim={self.dsa.head_dim} >= qk_rope_head_dim"
             )
+        if self.dsa is not None and self.dsa.shared and (len(self.dsa.shared) != self.num_layers or self.dsa.shared[0]):
+            raise ConfigError(
+                f"{len(self.dsa.shared)} indexer layer types given for {self.num_layers} layers, first "
+                f"{'shared' if self.dsa.shared[0] else 'full'}: give one per layer, the first 'full'"
+            )
+        if self.attention_sinks and self.attention is not AttentionKind.GQA:
+            raise ConfigError("attention_sinks=True is only supported for grouped-query attention, not latent attention")
         if self.qk_norm_all_heads and not self.qk_norm:
             raise ConfigError("qk_norm_all_heads=True needs qk_norm=True (it says how the q/k norm is taken)")
         rotary = self.rope.rotary_dim(self.head_dim)

@@ -10,8 +10,10 @@ bias, cached beside the latent row), and per-head weights ``w`` = hidden @ ``hea
 The first R (= rope dim) dims of queries and keys are rotated with the half-split pairs of
 ``apply_rope``, not the interleaved pairs of the main attention (as HF's ``DeepseekV32Indexer``;
 DeepSeek's reference adds a Hadamard rotation and FP8 scoring, an orthogonal map and a precision
-choice that HF, and so dayzero, leave out). The ``topk`` best visible tokens per query are what
-latent attention then reads (``dayzero.model.mla``).
+choice that HF, and so dayzero, leave out). GLM-5's indexer (``DSAConfig.rope_interleave``)
+rotates interleaved pairs instead, as HF's ``GlmMoeDsaIndexer``: its rope dims are deinterleaved
+first (queries and keys alike, so the scores are those of the interleaved rotation). The ``topk``
+best visible tokens per query are what latent attention then reads (``dayzero.model.mla``).
 
 This module only chooses tokens; it knows nothing of the latent rows.
 """
@@ -23,7 +25,7 @@ import jax.numpy as jnp
 
 from dayzero.model.config import ModelConfig
 from dayzero.model.quant import dequantized
-from dayzero.model.rope import apply_rope
+from dayzero.model.rope import apply_rope, deinterleave
 from dayzero.model.weights import IndexerWeights
 
 # HF builds the indexer's k_norm as nn.LayerNorm(index_head_dim, eps=1e-6), whatever rms_norm_eps is.
@@ -38,11 +40,20 @@ def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
     return ((x32 - mean) * jax.lax.rsqrt(var + K_NORM_EPS) * weight + bias).astype(x.dtype)
 
 
+def _rope(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate the first R dims of ``x`` [B,T,heads,J] (tables of rope_dim), from interleaved
+    pairs when the indexer uses them (GLM-5)."""
+    if config.dsa.rope_interleave:
+        R = config.mla.rope_dim
+        x = jnp.concatenate([deinterleave(x[..., :R]), x[..., R:]], axis=-1)
+    return apply_rope(x, *cos_sin)
+
+
 def index_keys(w: IndexerWeights, config: ModelConfig, x: jax.Array,
                cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
     """The indexer key of each token of ``x`` [B,T,D] -> [B,T,J], as the cache stores it."""
     k = _layer_norm(x @ w.k, w.k_norm, w.k_norm_bias)
-    return apply_rope(k[:, :, None], *cos_sin)[:, :, 0]  # tables of rope_dim: the first R dims rotate
+    return _rope(k[:, :, None], config, cos_sin)[:, :, 0]
 
 
 def index_scores(w: IndexerWeights, config: ModelConfig, x: jax.Array, q_latent: jax.Array,
@@ -50,7 +61,7 @@ def index_scores(w: IndexerWeights, config: ModelConfig, x: jax.Array, q_latent:
     """fp32 scores [B,T,S] of the queries of ``x`` [B,T,D] (q LoRA latent ``q_latent`` [B,T,Q])
     against ``keys`` [B,S,J]; no mask applied."""
     I, J = config.dsa.heads, config.dsa.head_dim
-    q = apply_rope(jnp.einsum("btq,qij->btij", q_latent, w.q_b), *cos_sin)
+    q = _rope(jnp.einsum("btq,qij->btij", q_latent, w.q_b), config, cos_sin)
     B, T = q.shape[:2]
     # Queries flattened to [B, T*I, J] (a free reshape) make the key product one plain batched
     # matmul: the 4-D einsum ran ~3x slower on XLA:CPU over a 64k-token key cache.

@@ -51,6 +51,9 @@ class _Traits:
     # selection bias in every layer (no groups, scaling or shared experts), full attention in
     # every layer, partial RoPE also given as ``rotary_dim``, MTP modules as num_mtp_modules.
     minimax: bool = False
+    # gpt-oss: attention sinks, q/k/v/o biases, alternating sliding/full layers by default, YaRN
+    # by default; softmax routing with a router bias, expert biases and the clamped SwiGLU.
+    gpt_oss: bool = False
 
 
 _TRAITS = {
@@ -63,6 +66,12 @@ _TRAITS = {
     Family.DEEPSEEK_V3: _Traits(moe=True, mla=True, deepseek_moe=True),
     Family.KIMI_K2: _Traits(moe=True, mla=True, deepseek_moe=True),
     Family.DEEPSEEK_V32: _Traits(moe=True, mla=True, dsa=True, deepseek_moe=True),
+    # HF GlmMoeDsaConfig (a DeepseekV32Config): its defaults where they differ from the generic ones.
+    Family.GLM_MOE_DSA: _Traits(moe=True, mla=True, dsa=True, deepseek_moe=True,
+                                defaults=(("norm_topk_prob", True), ("n_shared_experts", 1),
+                                          ("first_k_dense_replace", 3), ("routed_scaling_factor", 2.5),
+                                          ("rms_norm_eps", 1e-5), ("index_n_heads", 32),
+                                          ("max_position_embeddings", 202752))),
     # HF Glm4MoeConfig: half of each head rotated, renormalised top-k, one shared expert, one
     # dense layer and one MTP module unless the config says otherwise.
     Family.GLM4_MOE: _Traits(qk_norm_key=True, o_bias_key=False, moe=True, deepseek_moe=True,
@@ -74,26 +83,80 @@ _TRAITS = {
                                defaults=(("head_dim", 128), ("rope_theta", 5000000.0),
                                          ("num_local_experts", 256), ("num_experts_per_tok", 8),
                                          ("max_position_embeddings", 196608))),
+    # HF GptOssConfig: its defaults where the generic ones differ (layer_types and the RoPE
+    # parameters are filled by _gpt_oss_defaults, as they depend on other keys).
+    Family.GPT_OSS: _Traits(moe=True, gpt_oss=True,
+                            defaults=(("head_dim", 64), ("num_key_value_heads", 8), ("attention_bias", True),
+                                      ("rms_norm_eps", 1e-5), ("max_position_embeddings", 131072),
+                                      ("sliding_window", 128), ("num_local_experts", 128),
+                                      ("num_experts_per_tok", 4), ("swiglu_alpha", 1.702), ("swiglu_limit", 7.0))),
 }
 
 
-# Keys that do not change what the network computes at inference time.
+# Keys that do not change what the network computes at inference time (the logits of a token
+# sequence). Besides this set, ``_ignored`` accepts two families of keys by their names.
 _IGNORED_KEYS = frozenset(
     {
-        "architectures", "transformers_version", "torch_dtype", "dtype", "initializer_range",
-        "use_cache", "pad_token_id", "attention_dropout", "_name_or_path", "tokenizer_class",
-        "output_attentions", "output_hidden_states", "return_dict", "pretraining_tp",
-        "is_decoder", "chunk_size_feed_forward", "tie_encoder_decoder", "keys_to_ignore_at_inference",
-        "id2label", "label2id", "problem_type",  # classification-head metadata
-        "bos_token_id", "eos_token_id",  # read separately: they steer generation, not the forward pass
+        # Provenance: which classes / code / library version wrote the file. dayzero picks its
+        # implementation from model_type alone and never runs the hub's remote code (auto_map).
+        "architectures", "transformers_version", "auto_map",
+        # Storage dtype of the published weights: the converter reads each tensor's own dtype.
+        "torch_dtype", "dtype",
+        # Training only: weight init, dropout (a no-op at inference), checkpointing, TF-era loss.
+        "initializer_range", "attention_dropout", "gradient_checkpointing", "tf_legacy_loss",
+        # Runtime switches of HF's forward: what it returns and whether it keeps a KV cache, not
+        # what it computes. pretraining_tp splits matmuls into slices with the same sum.
+        "use_cache", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+        "pretraining_tp", "chunk_size_feed_forward", "keys_to_ignore_at_inference", "use_bfloat16",
+        # Encoder-decoder plumbing; the structure keys that could matter are _REQUIRED_VALUES.
+        "is_decoder", "tie_encoder_decoder", "cross_attention_hidden_size",
+        # Classification-head and fine-tuning metadata (no such head in a causal LM).
+        "id2label", "label2id", "problem_type", "finetuning_task", "task_specific_params", "prefix",
+        # Tokenizer / processor / exporter bookkeeping: how text becomes ids, or hints for other
+        # runtimes (transformers.js's KV-cache dtypes); nanotron's marker that the file is Llama.
+        "tokenizer_class", "processor_class", "transformers.js_config", "is_llama_config",
     }
 )
+
+# Generation defaults (keys of transformers' GenerationConfig that older transformers also wrote
+# into config.json): they choose the next token from the logits, or stop, never the logits.
+_GENERATION_KEYS = frozenset(
+    {
+        "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
+        "eta_cutoff", "repetition_penalty", "encoder_repetition_penalty", "length_penalty",
+        "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids", "force_words_ids",
+        "suppress_tokens", "begin_suppress_tokens", "sequence_bias", "renormalize_logits",
+        "remove_invalid_values", "exponential_decay_length_penalty", "guidance_scale",
+        "max_length", "min_length", "max_new_tokens", "min_new_tokens", "max_time", "stop_strings",
+        "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "penalty_alpha",
+        "num_return_sequences", "output_scores", "output_logits", "return_dict_in_generate",
+        "cache_implementation", "low_memory",
+    }
+)
+
+# Name rules. A leading underscore marks what transformers or the hub stamp on a file they save
+# (_name_or_path, _model_name_or_path, _commit_hash, _attn_implementation: which kernel, same
+# math). Token ids (bos/eos/pad/unk/sep/decoder_start_token_id, ...) steer tokenization and
+# generation; the ones dayzero uses (bos, eos) are read separately by parse_hf_config.
+_IGNORED_PREFIXES = ("_",)
+_IGNORED_SUFFIXES = ("_token_id", "_token_ids")
+
+
+def _ignored(key: str) -> bool:
+    """Whether ``key`` cannot change what the network computes (see the sets and rules above)."""
+    return (key in _IGNORED_KEYS or key in _GENERATION_KEYS or key.startswith(_IGNORED_PREFIXES)
+            or key.endswith(_IGNORED_SUFFIXES))
+
 
 # Keys whose only supported value is the given one (the default in HF).
 _REQUIRED_VALUES = {
     "hidden_act": ("silu",),
     "mlp_bias": (False,),
     "is_encoder_decoder": (False,),
+    "add_cross_attention": (False,),  # true would add cross-attention blocks to every layer
+    "use_mrope": (False,),  # Qwen2.5 configs: multimodal (3-D) RoPE is Qwen2-VL's, not Qwen2's
+    # nanotron's spelling (SmolLM2): HF's Llama rotates half-split pairs, i.e. not interleaved.
+    "rope_interleaved": (False,),
 }
 
 
@@ -116,7 +179,8 @@ class _Reader:
         return self.raw[key]
 
     def leftover(self) -> list[str]:
-        return sorted(set(self.raw) - self.seen - _IGNORED_KEYS)
+        """The keys neither read nor ignorable by ``_ignored``: what the parser does not handle."""
+        return sorted(k for k in set(self.raw) - self.seen if not _ignored(k))
 
 
 def _parse_rope(r: _Reader, head_dim: int, max_pos: int, traits: _Traits) -> RopeConfig:
@@ -334,6 +398,48 @@ def _minimax_mtp_layers(r: _Reader) -> int:
     return modules * depth if r.get("use_mtp", False) else 0
 
 
+# HF GptOssConfig's RoPE when a config.json has neither rope_parameters nor rope_scaling.
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def _gpt_oss_defaults(raw: dict[str, Any]) -> dict[str, Any]:
+    """HF GptOssConfig's defaults that depend on other keys: sliding_attention at even layers,
+    full at odd ones; YaRN x32 over 4096 positions (theta 150000) unless either RoPE key is set."""
+    filled: dict[str, Any] = {}
+    if raw.get("layer_types") is None and raw.get("num_hidden_layers") is not None:
+        filled["layer_types"] = ["full_attention" if i % 2 else "sliding_attention"
+                                 for i in range(int(raw["num_hidden_layers"]))]
+    if raw.get("rope_parameters") is None and raw.get("rope_scaling") is None:
+        filled["rope_parameters"] = dict(_GPT_OSS_ROPE)
+    if raw.get("rope_theta") is None and (raw.get("rope_parameters") or {}).get("rope_theta") is None:
+        filled["rope_theta"] = 150000.0
+    return filled
+
+
+def _gpt_oss_checks(r: _Reader, moe: MoEConfig, rope: RopeConfig) -> None:
+    """Keys of the published gpt-oss config.json that HF's gpt_oss does not read (OpenAI's own
+    names), accepted only where they agree with the ones it does."""
+    same = {"experts_per_token": moe.experts_per_token,  # num_experts_per_tok
+            "initial_context_length": rope.original_max_position}  # YaRN's original window
+    for key, value in same.items():
+        if r.get(key, value) != value:
+            raise ConfigError(f"{key}={r.raw[key]!r} disagrees with the value HF's gpt_oss uses ({value}); "
+                              "fix the config")
+
+
+def _gpt_oss_moe(r: _Reader, num_layers: int) -> MoEConfig:
+    """gpt-oss's experts (HF GptOssMLP): softmax over the top-k biased router logits (= softmax
+    over all, renormalised over the chosen), every layer sparse, experts ``intermediate_size``
+    wide with biases and the clamped SwiGLU (alpha, limit, up + 1)."""
+    return MoEConfig(
+        _num_experts(r), int(r.require("num_experts_per_tok")), int(r.require("intermediate_size")),
+        (True,) * num_layers, renormalize=True, router_bias=True, expert_bias=True,
+        swiglu_limit=float(r.require("swiglu_limit")), swiglu_alpha=float(r.require("swiglu_alpha")),
+        swiglu_up_shift=1.0,
+    )
+
+
 def _parse_mla(r: _Reader, num_heads: int) -> MLAConfig:
     """Latent attention sizes; HF's derived ``head_dim`` / ``qk_head_dim`` must agree with them."""
     mla = MLAConfig(
@@ -345,6 +451,11 @@ def _parse_mla(r: _Reader, num_heads: int) -> MLAConfig:
         rope_interleave=bool(r.get("rope_interleave", True)),
     )
     derived = {"head_dim": mla.rope_dim, "qk_head_dim": mla.nope_dim + mla.rope_dim, "num_key_value_heads": num_heads}
+    if r.raw.get("model_type") == Family.GLM_MOE_DSA.value:
+        # HF's glm_moe_dsa sets head_dim to qk_rope_head_dim whatever the file says (the
+        # published GLM-5 configs write another value there), so the key is read and not checked.
+        del derived["head_dim"]
+        r.seen.add("head_dim")
     for key, expected in derived.items():
         if r.get(key, expected) != expected:
             raise ConfigError(f"{key}={r.raw[key]!r} contradicts the latent attention sizes, which imply {expected}")
@@ -353,15 +464,48 @@ def _parse_mla(r: _Reader, num_heads: int) -> MLAConfig:
     return mla
 
 
-def _parse_dsa(r: _Reader) -> DSAConfig:
-    """The indexer of DeepSeek-V3.2 (defaults: HF DeepseekV32Config's)."""
+def _glm_indexer_types(r: _Reader, num_layers: int) -> tuple[bool, ...]:
+    """GLM-5's per-layer indexer kinds as HF GlmMoeDsaConfig derives them, True for "shared":
+    ``indexer_types``, else ``index_topk_pattern`` ("F"/"S" per layer), else layer i is full iff
+    max(i - offset + 1, 0) % freq == 0 (``index_topk_freq``, ``index_skip_topk_offset``)."""
+    kinds, pattern = r.get("indexer_types"), r.get("index_topk_pattern")
+    freq, offset = r.get("index_topk_freq", 1), r.get("index_skip_topk_offset", 2)
+    if kinds is None and pattern is not None:
+        names = {"F": "full", "S": "shared"}
+        # As HF: only a string is spelled in letters; a list must already say "full"/"shared".
+        kinds = [names.get(c, c) for c in pattern] if isinstance(pattern, str) else list(pattern)
+    if kinds is None:
+        if not isinstance(freq, int) or not isinstance(offset, int):
+            raise ConfigError(f"index_topk_freq={freq!r} and index_skip_topk_offset={offset!r} must be integers")
+        freq = max(freq, 1)  # as HF: a frequency below 1 means every layer
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
+    if len(kinds) != num_layers or set(kinds) - {"full", "shared"} or kinds[0] != "full":
+        raise ConfigError(f"indexer_types={kinds!r} must give 'full' or 'shared' for each of {num_layers} layers, "
+                          "the first 'full' (a shared layer reuses the picks of the full one before it)")
+    return tuple(k == "shared" for k in kinds)
+
+
+def _parse_dsa(r: _Reader, num_layers: int) -> DSAConfig:
+    """The indexer of DeepSeek-V3.2 (defaults: HF DeepseekV32Config's) or GLM-5: interleaved
+    RoPE pairs in the indexer and "shared" layers reusing the last full layer's picks."""
+    glm = r.raw.get("model_type") == Family.GLM_MOE_DSA.value
+    if glm:
+        # HF's glm_moe_dsa always rotates interleaved pairs in the indexer; the published config
+        # states it as indexer_rope_interleave. index_share_for_mtp_iteration concerns the MTP
+        # layer's indexer, which plain decoding never runs.
+        r.seen.add("index_share_for_mtp_iteration")
+        if not r.get("indexer_rope_interleave", True):
+            raise ConfigError("indexer_rope_interleave=false is not supported for glm_moe_dsa "
+                              "(HF's indexer rotates interleaved pairs)")
     dsa = DSAConfig(topk=int(r.get("index_topk", 2048)), heads=int(r.get("index_n_heads", 64)),
-                    head_dim=int(r.get("index_head_dim", 128)))
+                    head_dim=int(r.get("index_head_dim", 128)), rope_interleave=glm,
+                    shared=_glm_indexer_types(r, num_layers) if glm else ())
     if min(dsa.topk, dsa.heads, dsa.head_dim) < 1:
         raise ConfigError(f"index_topk, index_n_heads and index_head_dim must be positive, got {dsa}")
     # HF's deepseek_v32 always rotates the main attention's interleaved pairs and has no such key.
     if not r.get("rope_interleave", True):
-        raise ConfigError("rope_interleave=false is not supported for deepseek_v32 (its attention is interleaved)")
+        raise ConfigError(f"rope_interleave=false is not supported for {r.raw['model_type']} "
+                          "(its attention is interleaved)")
     return dsa
 
 
@@ -372,9 +516,13 @@ def fp8_block_size(raw: dict[str, Any]) -> tuple[int, int] | None:
     block; dynamic activation scales concern FP8 matmuls, not the dequantized weights.
     """
     q = raw.get("quantization_config")
-    if q is None:
+    if q is None or q.get("quant_method") == "mxfp4":  # MXFP4: checked and read by convert.mxfp4
         return None
     q = {k: v for k, v in q.items() if k != "modules_to_not_convert"}  # the converter sees which are FP8
+    # DeepSeek-V3.1+ / V3.2: scale_fmt says how its FP8 kernels round activation scales (powers of
+    # two); the weights dequantize from the stored weight_scale_inv either way.
+    if q.get("scale_fmt") in (None, "ue8m0"):
+        q.pop("scale_fmt", None)
     block = q.pop("weight_block_size", None)
     # MiniMax-M2 spells DeepSeek's "e4m3" as the dtype's name: the same float8_e4m3fn values.
     if q.get("fmt") == "float8_e4m3fn":
@@ -398,6 +546,8 @@ def _parse_moe(r: _Reader, family: Family, num_layers: int) -> MoEConfig | None:
         return _deepseek_moe(r, num_layers)
     if _TRAITS[family].minimax:
         return _minimax_moe(r, num_layers)
+    if _TRAITS[family].gpt_oss:
+        return _gpt_oss_moe(r, num_layers)
     num_experts = _num_experts(r)
     top_k = int(r.require("num_experts_per_tok"))
     if family is Family.MIXTRAL:  # every layer sparse, experts as wide as intermediate_size
@@ -427,6 +577,8 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     traits = _TRAITS[family]
     # A family's HF defaults fill only the keys the file leaves out (or sets to null).
     filled = {k: v for k, v in traits.defaults if raw.get(k) is None}
+    if traits.gpt_oss:
+        filled.update(_gpt_oss_defaults(raw))
     r = _Reader({**raw, **filled})
     r.seen.update(filled)  # not the file's keys: never reported as unhandled, even where unread
     r.seen.add("model_type")
@@ -442,7 +594,11 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     max_pos = int(r.get("max_position_embeddings", 2048))
     attention_bias = bool(r.get("attention_bias", False))
     r.seen.add("quantization_config")
-    fp8_block_size(raw)  # validated here, applied by the converter's reader
+    if (raw.get("quantization_config") or {}).get("quant_method") == "mxfp4" and not traits.gpt_oss:
+        raise ConfigError(f"quantization_config quant_method 'mxfp4' is read for gpt_oss checkpoints only, not "
+                          f"{family.value}; convert a float or FP8 checkpoint of this model")
+    # Validated here, applied by the converter's reader (MXFP4's keys: by convert.mxfp4's).
+    fp8_block_size(raw)
     if traits.minimax:
         _minimax_checks(r, num_layers)
     if traits.mla:
@@ -471,10 +627,13 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         moe=_parse_moe(r, family, num_layers),
         attention=AttentionKind.MLA if mla else AttentionKind.GQA,
         mla=mla,
-        dsa=_parse_dsa(r) if traits.dsa else None,
+        dsa=_parse_dsa(r, num_layers) if traits.dsa else None,
         mtp_layers=_minimax_mtp_layers(r) if traits.minimax else
         int(r.get("num_nextn_predict_layers", r.get("num_mtp_layers", 0))) if traits.deepseek_moe else 0,
+        attention_sinks=traits.gpt_oss,
     )
+    if traits.gpt_oss:
+        _gpt_oss_checks(r, config.moe, config.rope)
     leftover = r.leftover()
     if leftover:
         raise ConfigError(

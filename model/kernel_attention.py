@@ -27,6 +27,9 @@ this module imports nothing of the model but ``cache`` and ``quant``, so that th
 can import it. The writes quantize into a quantized pool (one scale per row and head, as the
 contiguous cache's writes), and the kernels read such a pool's values with their scale pages.
 
+Attention sinks (gpt-oss, ``AttentionWeights.sinks`` [N]) go to the flash and paged kernels as
+their ``sinks`` (float32); on a mesh each device passes its own query heads' sinks.
+
 On a mesh (``HeadSplit``) every kernel call runs inside ``shard_map``: each device attends with
 its own query heads over its own kv heads' pages (latent pools are whole on every device), its
 share of the rows when the batch splits over ``data``. The page writes stay outside, ordinary
@@ -95,6 +98,16 @@ def _on_devices(split: HeadSplit | None, kernel: Callable, args: tuple, in_specs
     return jax.shard_map(kernel, mesh=split.mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*args)
 
 
+def _sinks(sinks: jax.Array | None) -> jax.Array | None:
+    """Attention sinks as the kernels take them: float32 [N] (None: none)."""
+    return None if sinks is None else sinks.astype(jnp.float32)
+
+
+def _sinks_spec(split: HeadSplit | None, sinks: jax.Array | None) -> P | None:
+    """The sinks' shard_map spec: split with the query heads, so each device reads its heads' sinks."""
+    return None if split is None or sinks is None else P(split.heads)
+
+
 def _pool_args(pool: jax.Array | QuantizedArray) -> tuple[jax.Array, jax.Array | None]:
     """(stored values, their scale or None) of a page pool, as the kernels take them."""
     if isinstance(pool, QuantizedArray):
@@ -120,15 +133,17 @@ class NewTokensLayer:
         heads = None if self.split is None else self.split.heads
         return P(rows, None, heads, None), P(rows)
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """Grouped-query attention of q [B,T,N,H] over k, v [B,T,K,H] -> (output [B,T,N,H],
-        (k, v) to cache). Scale 1/sqrt(H), as ``transformer.attend``."""
-        def kernel(q, k, v, lengths):
-            return flash_attention(q, k, v, causal=True, kv_lengths=lengths, window=self.window, mode=self.mode)
+        (k, v) to cache). Scale 1/sqrt(H), and ``sinks`` [N] (None: none), as ``transformer.attend``."""
+        def kernel(q, k, v, lengths, sinks):
+            return flash_attention(q, k, v, causal=True, kv_lengths=lengths, window=self.window, sinks=sinks,
+                                   mode=self.mode)
 
         heads, rows = self._specs(q.shape[0])
-        out = _on_devices(self.split, kernel, (q, k.astype(q.dtype), v.astype(q.dtype), self.num_new),
-                          (heads, heads, heads, rows), heads)
+        args = (q, k.astype(q.dtype), v.astype(q.dtype), self.num_new, _sinks(sinks))
+        out = _on_devices(self.split, kernel, args, (heads, heads, heads, rows, _sinks_spec(self.split, sinks)), heads)
         return out, (k, v)
 
     def attend_latent(self, q: jax.Array, new: jax.Array, value_dim: int) -> tuple[jax.Array, tuple[jax.Array]]:
@@ -185,24 +200,27 @@ class PagedLayer:
         heads = None if self.split is None else self.split.heads
         return P(rows, None, heads, None), P(rows), heads
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         """Grouped-query attention of q [B,T,N,H] over the pages plus the new keys/values k, v
         [B,T,K,H] (written into the pages first) -> (output [B,T,N,H], the written (key pages,
-        value pages)). Scale 1/sqrt(H), as ``transformer.attend``."""
+        value pages)). Scale 1/sqrt(H), and ``sinks`` [N] (None: none), as ``transformer.attend``."""
         k_pool, v_pool = self.pages
         where = self._where(k_pool, q.shape[1])
         k_pool, v_pool = write_head_rows(k_pool, k, *where), write_head_rows(v_pool, v, *where)
         dtype = q.dtype if isinstance(k_pool, QuantizedArray) else k_pool.dtype
 
-        def kernel(q, k_pool, v_pool, tables, lengths, offsets):
+        def kernel(q, k_pool, v_pool, tables, lengths, offsets, sinks):
             (k_values, k_scales), (v_values, v_scales) = _pool_args(k_pool), _pool_args(v_pool)
             scales = {} if k_scales is None else dict(k_scales=k_scales, v_scales=v_scales)
             return paged_attention(q, k_values, v_values, tables, lengths, q_offsets=offsets, window=self.window,
-                                   mode=self.mode, **scales)
+                                   sinks=sinks, mode=self.mode, **scales)
 
         heads, rows, head_axis = self._specs(q.shape[0])
-        args = (q.astype(dtype), k_pool, v_pool, self.block_tables, self.lengths + self.num_new, self.lengths)
-        out = _on_devices(self.split, kernel, args, (heads, P(head_axis), P(head_axis), rows, rows, rows), heads)
+        args = (q.astype(dtype), k_pool, v_pool, self.block_tables, self.lengths + self.num_new, self.lengths,
+                _sinks(sinks))
+        specs = (heads, P(head_axis), P(head_axis), rows, rows, rows, _sinks_spec(self.split, sinks))
+        out = _on_devices(self.split, kernel, args, specs, heads)
         return out.astype(q.dtype), (k_pool, v_pool)
 
     def attend_latent(self, q: jax.Array, new: jax.Array, value_dim: int) -> tuple[jax.Array, tuple[jax.Array]]:

@@ -18,7 +18,9 @@ With DeepSeek Sparse Attention (``config.dsa``, DeepSeek-V3.2) each query attend
 tokens the indexer of ``dayzero.model.dsa`` picks. A call with few queries (decode) gathers
 those k rows per query from the cache, so its work no longer grows with the context; a call with
 many queries (prefill) narrows the dense masks instead, where scanning all keys is cheaper than
-gathering T*k rows. Both compute the same softmax over the same tokens.
+gathering T*k rows. Both compute the same softmax over the same tokens. GLM-5's "shared" layers
+(``DSAConfig.shared``, no indexer weights) run no indexer: they attend to the tokens the last
+full layer picked, which ``mla_block`` takes and returns as its ``picks``.
 
 The block returns the new latent rows (and indexer keys); ``cache.append_to_cache`` writes them,
 keeping ``forward``'s read and the cache's in-place write in separate jits (see ``model/cache.py``).
@@ -188,13 +190,19 @@ def attend_gathered(q: jax.Array, cache: jax.Array, new: jax.Array, mask_new: ja
             + jnp.einsum("btnj,bjc->btnc", probs[..., k:], new.astype(q.dtype)))
 
 
-def _sparse_attention(w: MLAWeights, config: ModelConfig, x: jax.Array, q_lora: jax.Array, q_cat: jax.Array,
-                      cos_sin, layer_cache: tuple[jax.Array, jax.Array] | None, new: jax.Array,
-                      new_keys: jax.Array, masks, attend: Callable) -> jax.Array:
-    """DSA: the indexer picks each query's tokens, latent attention reads only those (``attend``:
-    the dense latent attention, used with narrowed masks when scanning beats gathering)."""
+# The indexer's picks of one forward call: (indices [B,T,k], visible [B,T,k]) as ``dsa.select``
+# returns them, which GLM-5's shared layers reuse.
+Picks = tuple[jax.Array, jax.Array]
+
+
+def _sparse_attention(q_cat: jax.Array, select: Callable[[jax.Array | None], Picks],
+                      layer_cache: tuple[jax.Array, jax.Array] | None, new: jax.Array, masks,
+                      attend: Callable) -> jax.Array:
+    """DSA: ``select`` (given the cached indexer keys) picks each query's tokens, latent attention
+    reads only those (``attend``: the dense latent attention, used with narrowed masks when
+    scanning beats gathering)."""
     latent_cache, key_cache = (None, None) if layer_cache is None else layer_cache
-    indices, visible = dsa.select(w.indexer, config, x, q_lora, cos_sin, key_cache, new_keys, masks)
+    indices, visible = select(key_cache)
     T, k = indices.shape[1], indices.shape[2]
     S = 0 if latent_cache is None else latent_cache.shape[1]
     # Gather when T*k picked rows are fewer than the S+T rows a dense scan reads (decode past
@@ -212,7 +220,8 @@ def mla_block(
     layer_cache: tuple[jax.Array, ...] | None,
     masks: tuple[jax.Array | None, jax.Array],
     attend: Callable = attend_latent,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    picks: Picks | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], Picks | None]:
     """Latent self-attention of ``x`` [B,T,D] over the layer's cache (None: nothing cached):
     ``(latent rows [B,S,L+R],)``, plus the indexer keys [B,S,J] with sparse attention.
 
@@ -223,6 +232,10 @@ def mla_block(
     returned in their place. ``attend``: dense latent attention with
     ``attend_latent``'s signature (``dayzero.model.mla_parallel`` swaps in a version for a
     cache split over devices); sparse attention uses it where it scans the cache densely.
+
+    ``picks``: the last full sparse layer's picks in this call, returned as they are by a
+    shared layer (GLM-5; one with no indexer weights), which attends to them instead of its own;
+    a full sparse layer returns its own picks, a dense one None.
     """
     m = config.mla
     q, q_lora = _queries(w, x)
@@ -238,20 +251,31 @@ def mla_block(
         cache = None if layer_cache is None else layer_cache[0]
         attended = attend(q_cat, cache, as_stored(new, cache), masks)  # new rows read as the cache holds them
     else:
-        new_keys = dsa.index_keys(w.indexer, config, x, cos_sin)
-        if on_kernels:
-            def select(key_cache):  # called by the kernel layer, which holds the cached indexer keys
-                return dsa.select(w.indexer, config, x, q_lora, cos_sin, key_cache, new_keys, masks)
+        if w.indexer is None:  # a shared layer: no indexer, its cache's key slot stays zero and unread
+            if picks is None:
+                raise ValueError("a shared sparse-attention layer needs the picks of a full layer before it")
+            new_keys = jnp.zeros(x.shape[:2] + (config.dsa.head_dim,), x.dtype)
+            given = picks
 
+            def select(key_cache):
+                return given
+        else:
+            new_keys = dsa.index_keys(w.indexer, config, x, cos_sin)
+
+            def select(key_cache):  # the kernel layer calls it with the cached indexer keys it holds
+                nonlocal picks  # called once per block, in this trace: the next shared layers reuse it
+                picks = dsa.select(w.indexer, config, x, q_lora, cos_sin, key_cache, new_keys, masks)
+                return picks
+        if on_kernels:
             attended, added = layer_cache.attend_sparse(q_cat, new, new_keys, select, m.kv_lora_rank)
         else:
             added = (new, new_keys)
             stored = new if layer_cache is None else as_stored(new, layer_cache[0])
-            attended = _sparse_attention(w, config, x, q_lora, q_cat, cos_sin, layer_cache, stored, new_keys,
-                                         masks, attend)
+            attended = _sparse_attention(q_cat, select, layer_cache, stored, masks, attend)
     out_latent = attended[..., : m.kv_lora_rank]
     out = jnp.einsum("btnl,lnv->btnv", out_latent, dequantized(w.v_up, x.dtype))  # v_up applied after attention
     B, T, N, V = out.shape
     # A flattened N*V contraction, as in transformer.attention_block (an einsum over (n, v)
     # made XLA:CPU transpose the o weight on every call).
-    return jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), dequantized(w.o, x.dtype).reshape(N * V, -1)), added
+    out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * V), dequantized(w.o, x.dtype).reshape(N * V, -1))
+    return out, added, picks

@@ -10,7 +10,9 @@
 3. Grouped SwiGLU: each group of rows goes through its own expert (:func:`grouped_swiglu`, in
    one of two ways, :class:`GroupedMatmul`). Quantized expert stacks are dequantized piecewise,
    never whole: one expert at a time in the expert loop, one tile of every expert at a time
-   on the ``ragged_dot`` path (:func:`ragged_matmul`, :data:`TILE_BYTES`).
+   on the ``ragged_dot`` path (:func:`ragged_matmul`, :data:`TILE_BYTES`). The gating is
+   silu(gate) * up, or the block's variant (:func:`gated`: gpt-oss's clamped SwiGLU), and
+   experts with biases (gpt-oss) add them after each projection, on every path.
 4. Combine: the rows are put back in pair order and summed per token with the routing weights;
    shared experts (DeepSeek-V3), if any, run on every token and are added.
 
@@ -99,15 +101,20 @@ def _best_groups_only(choice: jax.Array, config: MoEConfig) -> jax.Array:
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
 
 
-def route(router: jax.Array, config: MoEConfig, x: jax.Array,
-          score_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+def route(router: jax.Array, config: MoEConfig, x: jax.Array, score_bias: jax.Array | None = None,
+          router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Each token's C experts [N,C] (int32, best first) and their fp32 weights [N,C]; ``x`` is [N,D].
 
-    See :class:`MoEConfig` for the scheme; ``score_bias`` [E] is required iff ``config.score_bias``.
+    See :class:`MoEConfig` for the scheme; ``score_bias`` [E] is required iff ``config.score_bias``,
+    ``router_bias`` [E] (added to the logits) iff ``config.router_bias``.
     """
     if (score_bias is not None) != config.score_bias:
         raise ValueError(f"score_bias given: {score_bias is not None}, config.score_bias: {config.score_bias}")
+    if (router_bias is not None) != config.router_bias:
+        raise ValueError(f"router_bias given: {router_bias is not None}, config.router_bias: {config.router_bias}")
     logits = router_logits(router, x)
+    if router_bias is not None:  # gpt-oss: a biased linear router, so the weights move with the choice
+        logits = logits + router_bias.astype(jnp.float32)
     scores = jax.nn.softmax(logits, axis=-1) if config.score is RouterScore.SOFTMAX else jax.nn.sigmoid(logits)
     choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
     if config.num_groups > 1:
@@ -139,16 +146,44 @@ def active_experts(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ids, jnp.sum(has_rows)
 
 
-def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+def gated(g: jax.Array, u: jax.Array, act: MoEConfig | None = None) -> jax.Array:
+    """SwiGLU's gating of the gate projection ``g`` by the up projection ``u``: silu(g) * u, or
+    the variant ``act`` sets (gpt-oss: g clamped above and u on both sides at ``swiglu_limit``,
+    then g * sigmoid(``swiglu_alpha`` g) * (u + ``swiglu_up_shift``), as HF's ``_apply_gate``)."""
+    if act is None:
+        return jax.nn.silu(g) * u
+    if act.swiglu_limit is not None:
+        g = jnp.minimum(g, act.swiglu_limit)
+        u = jnp.clip(u, -act.swiglu_limit, act.swiglu_limit)
+    glu = jax.nn.silu(g) if act.swiglu_alpha == 1.0 else g * jax.nn.sigmoid(act.swiglu_alpha * g)
+    return glu * (u + act.swiglu_up_shift if act.swiglu_up_shift else u)
+
+
+def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: MoEConfig | None = None,
+           biases: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """The SwiGLU feed-forward down(silu(x gate) * x up) on ``x`` [..., D], gate/up [D,F], down [F,D].
 
-    One implementation for the dense MLP, each routed expert and the shared experts.
+    One implementation for the dense MLP, each routed expert and the shared experts. ``act``:
+    the MoE block's config, whose gating variant (:func:`gated`) its experts use; ``biases``:
+    (gate [F], up [F], down [D]) added after each projection (gpt-oss's experts).
     """
     gate, up, down = (dequantized(w, x.dtype) for w in (gate, up, down))
-    return (jax.nn.silu(x @ gate) * (x @ up)) @ down
+    g, u = x @ gate, x @ up
+    if biases is not None:
+        g, u = g + biases[0], u + biases[1]
+    y = gated(g, u, act) @ down
+    return y if biases is None else y + biases[2]
 
 
-def _expert_loop_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def _expert_biases(w: MoEWeights, e, dtype) -> tuple[jax.Array, jax.Array, jax.Array] | None:
+    """Expert ``e``'s (gate, up, down) biases in ``dtype`` (None: the experts have none)."""
+    if w.gate_bias is None:
+        return None
+    return tuple(b[e].astype(dtype) for b in (w.gate_bias, w.up_bias, w.down_bias))
+
+
+def _expert_loop_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array,
+                        act: MoEConfig | None = None) -> jax.Array:
     """Grouped SwiGLU as a loop over the active experts only, each over its rows in chunks."""
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
@@ -158,11 +193,12 @@ def _expert_loop_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array) ->
         e = ids[j]
         # read (and dequantized) once per expert, then reused by every chunk
         gate, up, down = (dequantized(m[e], xs.dtype) for m in (w.gate, w.up, w.down))
+        biases = _expert_biases(w, e, xs.dtype)
 
         def chunk(size):
             def run(_, carry):
                 out, row = carry
-                y = swiglu(jax.lax.dynamic_slice_in_dim(xs, row, size), gate, up, down)
+                y = swiglu(jax.lax.dynamic_slice_in_dim(xs, row, size), gate, up, down, act, biases)
                 return jax.lax.dynamic_update_slice_in_dim(out, y, row, axis=0), row + size
             return run
 
@@ -250,8 +286,19 @@ def ragged_matmul(x: jax.Array, w, group_sizes: jax.Array, axis: int, tile_bytes
     return _over_tiles(n_out, size, put, jnp.zeros((R, n_out), x.dtype))
 
 
-def ragged_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array, tile_bytes: int = TILE_BYTES) -> jax.Array:
-    """Grouped SwiGLU as three :func:`ragged_matmul` calls.
+def _row_biases(bias: jax.Array | None, group_sizes: jax.Array, rows: int, dtype) -> jax.Array | int:
+    """Each of ``rows`` rows sorted by expert gets its expert's row of ``bias`` [E,W] -> [rows,W]
+    (rows past the groups get zeros, as ``ragged_dot`` gives them); 0 where there is no bias."""
+    if bias is None:
+        return 0
+    ends = jnp.cumsum(group_sizes)
+    expert = jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right")
+    return jnp.take(bias.astype(dtype), expert, axis=0, mode="fill", fill_value=0)
+
+
+def ragged_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array, tile_bytes: int = TILE_BYTES,
+                  act: MoEConfig | None = None) -> jax.Array:
+    """Grouped SwiGLU as three :func:`ragged_matmul` calls (``act``, the biases: as :func:`swiglu`).
 
     Quantized stacks are tiled along D, the model width (gate/up's contracted rows, down's output
     columns), and F stays whole: no mesh splits D (the rules keep ``embed`` replicated), while a
@@ -259,22 +306,24 @@ def ragged_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array, tile_byt
     stacks between devices (measured on faked CPU devices: tiles cut through gate/up's F gave 10
     all-gathers of the int8 stacks on 2 devices; through down's F, 14 collective-permutes on 8).
     """
-    gate = ragged_matmul(xs, w.gate, group_sizes, 1, tile_bytes)
-    up = ragged_matmul(xs, w.up, group_sizes, 1, tile_bytes)
-    return ragged_matmul(jax.nn.silu(gate) * up, w.down, group_sizes, 2, tile_bytes)
+    bias = lambda b: _row_biases(b, group_sizes, xs.shape[0], xs.dtype)  # noqa: E731
+    gate = ragged_matmul(xs, w.gate, group_sizes, 1, tile_bytes) + bias(w.gate_bias)
+    up = ragged_matmul(xs, w.up, group_sizes, 1, tile_bytes) + bias(w.up_bias)
+    return ragged_matmul(gated(gate, up, act), w.down, group_sizes, 2, tile_bytes) + bias(w.down_bias)
 
 
 def grouped_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array,
-                   impl: GroupedMatmul | None = None) -> jax.Array:
+                   impl: GroupedMatmul | None = None, act: MoEConfig | None = None) -> jax.Array:
     """Rows ``xs`` [R,D] sorted by expert, ``group_sizes`` [E] -> each row through its expert [R,D].
 
-    ``impl`` None picks the platform's default from :data:`DEFAULT_GROUPED_MATMUL`.
+    ``impl`` None picks the platform's default from :data:`DEFAULT_GROUPED_MATMUL`; ``act``: the
+    block's config, for its gating variant (:func:`gated`). Expert biases are read from ``w``.
     """
     if impl is None:
         impl = DEFAULT_GROUPED_MATMUL.get(jax.default_backend(), GroupedMatmul.EXPERT_LOOP)
     if impl is GroupedMatmul.RAGGED_DOT:
-        return ragged_swiglu(w, xs, group_sizes)
-    return _expert_loop_swiglu(w, xs, group_sizes)
+        return ragged_swiglu(w, xs, group_sizes, act=act)
+    return _expert_loop_swiglu(w, xs, group_sizes, act)
 
 
 def moe(w: MoEWeights, config: MoEConfig, x: jax.Array, impl: GroupedMatmul | None = None) -> jax.Array:
@@ -282,13 +331,13 @@ def moe(w: MoEWeights, config: MoEConfig, x: jax.Array, impl: GroupedMatmul | No
     B, T, D = x.shape
     C = config.experts_per_token
     tokens = x.reshape(B * T, D)
-    weights, experts = route(w.router, config, tokens, w.score_bias)
+    weights, experts = route(w.router, config, tokens, w.score_bias, w.router_bias)
     order, group_sizes = sort_by_expert(experts, config.num_experts)
-    ys = grouped_swiglu(w, tokens[order // C], group_sizes, impl)
+    ys = grouped_swiglu(w, tokens[order // C], group_sizes, impl, config)
     # Back to pair order: pair order[j] produced row j.
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     per_pair = ys[unsort].reshape(B * T, C, D)
     out = jnp.einsum("ncd,nc->nd", per_pair, weights.astype(x.dtype))
     if w.shared is not None:
-        out = out + swiglu(tokens, w.shared.gate, w.shared.up, w.shared.down)
+        out = out + swiglu(tokens, w.shared.gate, w.shared.up, w.shared.down, config)
     return out.reshape(B, T, D)

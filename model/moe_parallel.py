@@ -19,7 +19,9 @@ written out:
 3. Dispatch (:func:`exchange`): the rows go to the devices owning their experts.
 4. Each device runs only its own experts over the rows it received (the same grouped SwiGLU as
    the one-device path, ``dayzero.model.moe.grouped_swiglu``: active experts only, no padding
-   row computed); with ``tensor`` > 1 each computes a slice of the expert width.
+   row computed); with ``tensor`` > 1 each computes a slice of the expert width. Expert biases
+   (gpt-oss) split with their experts, gate/up's with the width too; the down bias joins on the
+   first width device only, as the width slices' partial sums are added up.
 5. Return: a second :func:`exchange`, with the plan transposed, sends every result back to the
    row it came from; each device combines its tokens' C results with the routing weights (and
    sums the width slices over ``tensor``). The output leaves ``shard_map`` split over
@@ -225,6 +227,8 @@ def check_expert_parallel(num_experts: int, ep: int) -> None:
 # The logical axes of the routed-expert stacks (as declared in dayzero.model.weights._moe_specs).
 _EXPERT_AXES = {"gate": ("experts", "embed", "ffw"), "up": ("experts", "embed", "ffw"),
                 "down": ("experts", "ffw", "embed")}
+# ... and of their biases (gpt-oss): split with the experts, and gate/up's with the width.
+_BIAS_AXES = {"gate_bias": ("experts", "ffw"), "up_bias": ("experts", "ffw"), "down_bias": ("experts", "embed")}
 
 
 def _aligned_experts(w: MoEWeights, par: Parallel) -> MoEWeights:
@@ -285,9 +289,12 @@ def _expert_specs(w: MoEWeights, par: Parallel) -> tuple[MoEWeights, str | None]
     gate_values = gate.values if isinstance(gate, QuantizedArray) else gate
     if gate_values[0] != par.mesh_axis("experts"):
         raise ValueError(f"experts {w.gate.shape[0]} are not split over the mesh by rules {par.placement.rules.name!r}")
+    biases = {name: None if getattr(w, name) is None else par.placement.sharding(axes, getattr(w, name).shape).spec
+              for name, axes in _BIAS_AXES.items()}
     specs = MoEWeights(
         router=P(), gate=gate, up=up, down=down,
         score_bias=None if w.score_bias is None else P(), shared=None,
+        router_bias=None if w.router_bias is None else P(), **biases,
     )
     return specs, gate_values[2]
 
@@ -313,11 +320,12 @@ class _Routed(NamedTuple):
 
 
 def _route_local(tokens: jax.Array, valid: jax.Array, router: jax.Array, score_bias: jax.Array | None, *,
-                 config: MoEConfig, axis: str, ep: int, capacity: int) -> _Routed:
+                 config: MoEConfig, axis: str, ep: int, capacity: int,
+                 router_bias: jax.Array | None = None) -> _Routed:
     """Route this device's tokens [n,D], keep what fits, sort the kept pairs by expert and share
     the per-expert counts with every device of ``axis``."""
     E, C = config.num_experts, config.experts_per_token
-    probs, experts = route(router, config, tokens, score_bias)  # [n,C] each
+    probs, experts = route(router, config, tokens, score_bias, router_bias)  # [n,C] each
     flat = experts.reshape(-1)  # pair p is token p // C
     sent = jnp.repeat(valid, C)
     keep = _kept(flat // (E // ep), sent, ep, capacity)
@@ -335,11 +343,12 @@ def _received_experts(table: jax.Array, me: jax.Array, num_local: int, rows: int
     return jnp.where(group < ends.shape[0], group % num_local, num_local).astype(jnp.int32)
 
 
-def _own_experts(w: MoEWeights, rows: jax.Array, ids: jax.Array, impl: GroupedMatmul | None) -> jax.Array:
+def _own_experts(w: MoEWeights, rows: jax.Array, ids: jax.Array, impl: GroupedMatmul | None,
+                 act: MoEConfig | None = None) -> jax.Array:
     """Rows [R,D] through this device's experts (``ids`` [R] local, num_local = empty row) -> [R,D]."""
     num_local = w.gate.shape[0]
     order, group_sizes = sort_by_expert(ids, num_local)  # empty rows sort last, uncounted
-    ys = grouped_swiglu(w, rows[order], group_sizes, impl)
+    ys = grouped_swiglu(w, rows[order], group_sizes, impl, act)
     return jnp.zeros_like(ys).at[order].set(ys)
 
 
@@ -363,13 +372,18 @@ def _dispatch_local(tokens, valid, w: MoEWeights, *, config: MoEConfig, axis: st
     n, D = tokens.shape
     C = config.experts_per_token
     num_local = w.gate.shape[0]
-    routed = _route_local(tokens, valid, w.router, w.score_bias, config=config, axis=axis, ep=ep, capacity=capacity)
+    routed = _route_local(tokens, valid, w.router, w.score_bias, config=config, axis=axis, ep=ep, capacity=capacity,
+                          router_bias=w.router_bias)
     me = jax.lax.axis_index(axis)
+    if width_axis is not None and w.down_bias is not None:
+        # Each width device's down product is a partial sum, added up by the psum below: the down
+        # bias joins on the first of them only, so it is counted once.
+        w = w.replace(down_bias=jnp.where(jax.lax.axis_index(width_axis) == 0, w.down_bias, 0))
     sizes = routed.table.reshape(ep, ep, num_local).sum(axis=-1)  # [source, destination] rows
     move = functools.partial(exchange, axis=axis, kind=exchange_kind, max_send=capacity)
     rows = tokens[routed.order // C]  # [n*C,D]: the kept rows, packed by destination, first
     recv = move(rows, jnp.zeros((ep * capacity, D), tokens.dtype), exchange_plan(sizes, me))
-    ys = _own_experts(w, recv, _received_experts(routed.table, me, num_local, ep * capacity), impl)
+    ys = _own_experts(w, recv, _received_experts(routed.table, me, num_local, ep * capacity), impl, config)
     back = move(ys, jnp.zeros_like(rows), exchange_plan(sizes.T, me))  # rows not kept get nothing: zero
     per_pair = jnp.zeros_like(back).at[routed.order].set(back)  # back in pair order
     out = jnp.einsum("ncd,nc->nd", per_pair.reshape(n, C, D), routed.probs.astype(tokens.dtype))
@@ -409,8 +423,7 @@ def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Par
     B, T, D = x.shape
     N = B * T
     axis, ep, tokens, valid, capacity = _split_tokens(config, x, par)
-    routed = _aligned_experts(
-        MoEWeights(router=w.router, gate=w.gate, up=w.up, down=w.down, score_bias=w.score_bias), par)
+    routed = _aligned_experts(w.replace(shared=None), par)  # the shared experts run outside, below
     specs, width_axis = _expert_specs(routed, par)
     body = functools.partial(
         _dispatch_local, config=config, axis=axis, ep=ep, capacity=capacity, width_axis=width_axis,
@@ -427,13 +440,13 @@ def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Par
     out, stats = result if with_stats else (result, None)
     out = out[:N]
     if w.shared is not None:  # always-on experts: the plain SwiGLU, split like a dense MLP
-        out = out + swiglu(x.reshape(N, D), w.shared.gate, w.shared.up, w.shared.down)
+        out = out + swiglu(x.reshape(N, D), w.shared.gate, w.shared.up, w.shared.down, config)
     out = out.reshape(B, T, D)
     return (out, stats) if with_stats else out
 
 
 def dispatch_stats(router: jax.Array, score_bias: jax.Array | None, config: MoEConfig, x: jax.Array,
-                   par: Parallel) -> DispatchStats:
+                   par: Parallel, router_bias: jax.Array | None = None) -> DispatchStats:
     """The :class:`DispatchStats` of ``moe_expert_parallel(w, config, x, par)`` from its routing
     alone (the same routing, capacity and counts; no expert runs and no row moves), for
     measuring drop rates and traffic at sizes whose experts are not allocated."""
@@ -441,12 +454,14 @@ def dispatch_stats(router: jax.Array, score_bias: jax.Array | None, config: MoEC
     axis, ep, tokens, valid, capacity = _split_tokens(config, x, par)
     kind = resolve_exchange(par.exchange)
 
-    def body(tokens, valid, router, score_bias):
-        routed = _route_local(tokens, valid, router, score_bias, config=config, axis=axis, ep=ep, capacity=capacity)
+    def body(tokens, valid, router, score_bias, router_bias):
+        routed = _route_local(tokens, valid, router, score_bias, config=config, axis=axis, ep=ep, capacity=capacity,
+                              router_bias=router_bias)
         sizes = routed.table.reshape(ep, ep, -1).sum(axis=-1)
         return _stats(routed, sizes, axis=axis, exchange_kind=kind, capacity=capacity,
                       row_bytes=D * tokens.dtype.itemsize)
 
-    bias_spec = None if score_bias is None else P()
-    return jax.shard_map(body, mesh=par.placement.mesh, in_specs=(P(axis), P(axis), P(), bias_spec),
-                         out_specs=P(), check_vma=False)(tokens, valid, router, score_bias)
+    spec = lambda b: None if b is None else P()  # noqa: E731
+    return jax.shard_map(body, mesh=par.placement.mesh, in_specs=(P(axis), P(axis), P(), spec(score_bias),
+                                                                  spec(router_bias)),
+                         out_specs=P(), check_vma=False)(tokens, valid, router, score_bias, router_bias)

@@ -12,6 +12,11 @@ would, so a preset is only ever a shortcut for a file (``dayzero plan --preset N
   token, plus one shared), MLA with 128 heads, and DeepSeek Sparse Attention (index_topk 2048),
   so a decode step reads 2048 latent rows per layer whatever the context. YaRN x256 over a
   4096-token original window gives 1,048,576 positions.
+- ``gpt-oss-120b`` / ``gpt-oss-20b``: OpenAI's gpt-oss as published (their config.json, keys and
+  values: 36 / 24 layers alternating a 128-token sliding window with full attention, 128 / 32
+  experts of width 2880, 4 per token, attention sinks, YaRN x32 over 4096 positions). Their
+  ``quantization_config`` (MXFP4 experts) says how the published files store the experts; the
+  planner's own storage options (``--quantize``) say how dayzero would hold them.
 """
 
 from __future__ import annotations
@@ -146,10 +151,111 @@ _FRONTIER_3T_1M: dict[str, Any] = {
     "vocab_size": 129280,
 }
 
+_GPT_OSS_120B: dict[str, Any] = {
+    "architectures": ["GptOssForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 18,
+    "max_position_embeddings": 131072,
+    "model_type": "gpt_oss",
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 36,
+    "num_key_value_heads": 8,
+    "num_local_experts": 128,
+    "output_router_logits": False,
+    "pad_token_id": 199999,
+    "quantization_config": {
+        "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+                                   "lm_head"],
+        "quant_method": "mxfp4",
+    },
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+        "rope_type": "yarn", "truncate": False,
+    },
+    "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "transformers_version": "4.55.0.dev0",
+    "use_cache": True,
+    "vocab_size": 201088,
+}
+
+_GPT_OSS_20B: dict[str, Any] = {
+    **_GPT_OSS_120B,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "num_hidden_layers": 24,
+    "num_local_experts": 32,
+}
+
+# GLM-5 (zai-org/GLM-5, 744B): HF GlmMoeDsaConfig's defaults are its published sizes; every
+# layer runs its own indexer (no indexer_types), one MTP layer (not decoded, not counted).
+_GLM_5: dict[str, Any] = {
+    "architectures": ["GlmMoeDsaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "dtype": "bfloat16",
+    "eos_token_id": [154820, 154827, 154829],
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 6144,
+    "index_head_dim": 128,
+    "index_n_heads": 32,
+    "index_topk": 2048,
+    "indexer_rope_interleave": True,
+    "intermediate_size": 12288,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 202752,
+    "model_type": "glm_moe_dsa",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 78,
+    "num_key_value_heads": 64,
+    "num_nextn_predict_layers": 1,
+    "pad_token_id": 154820,
+    "q_lora_rank": 2048,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_interleave": True,
+    "rope_parameters": {"rope_theta": 1000000, "rope_type": "default"},
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "noaux_tc",
+    "use_cache": True,
+    "v_head_dim": 256,
+    "vocab_size": 154880,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": _DEEPSEEK_V3,
     "kimi-k2": _KIMI_K2,
     "frontier-3t-1m": _FRONTIER_3T_1M,
+    "glm-5": _GLM_5,
+    "gpt-oss-120b": _GPT_OSS_120B,
+    "gpt-oss-20b": _GPT_OSS_20B,
 }
 
 

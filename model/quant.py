@@ -1,4 +1,5 @@
-"""Quantized weights and caches: int8 / FP8 / int4 values with float32 scales, dequantized on read.
+"""Quantized weights and caches: int8 / FP8 / int4 values with float32 scales, or MXFP4 (e2m1
+values with power-of-two scales), dequantized on read.
 
 A :class:`QuantizedArray` stands where a float array would in the weight tree or the KV cache. It
 holds the stored ``values`` and their ``scale`` (real value = values * scale), plus static
@@ -15,6 +16,23 @@ metadata saying how the scale is laid out:
   be given exactly per a finer block that divides the block (:func:`reblocked`): that is how a
   mesh whose shards start inside a block gets shard-local scales
   (``dayzero.model.weights.mesh_aligned_specs``).
+
+MXFP4 (``ValueFormat.MXFP4``, the OCP microscaling format gpt-oss publishes its routed experts
+in) is the block layout with block (32, 1) (:data:`MXFP4_BLOCK`): ``values`` are float4_e2m1fn
+(+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) and ``scale`` is float8_e8m0fnu, a bare power of two 2^(byte -
+127), one per 32 inputs of each output column. Values are one array element each, so that
+slicing an expert or a tile of rows or columns is ordinary array slicing, and XLA packs them:
+on XLA:CPU (jax 0.10.2) a float4_e2m1fn (or int4) array costs 0.5 bytes per element (measured:
+process RSS grows 0.500 bytes per element for 256M-element arrays; its compiled parameter
+layout is ``f4e2m1fn[...]{...:E(4)}``), although ``on_device_size_in_bytes()`` and ml_dtypes'
+itemsize say 1, as numpy on the host holds them. An MXFP4 stack so costs 0.5 + 1/32 = 0.53
+bytes per weight in memory, as packed in the checkpoint (bfloat16: 2); :func:`stored_bytes`
+counts it so. A loop that reads a stack (the expert loop, the ragged tiles) gets an XLA:CPU
+float16 copy of its values (2 bytes per element, as for fp8) and a float32 one of its scales.
+Dequantizing multiplies each value by its scale in float32, which is exact (2 significant bits
+times a power of two) except where XLA:CPU flushes subnormals to zero: scale byte 0 (2^-127 is
+itself subnormal) and results below 2^-126 of byte 1, an error of at most 6 x 2^-127; real
+checkpoints use byte 0 for all-zero blocks at most.
 
 Forward code reads every weight and cached array through :func:`dequantized`, which returns the
 compute-dtype array (a plain array is only cast). Dequantizing right before the contraction is
@@ -56,16 +74,23 @@ class ValueFormat(enum.Enum):
     INT8 = "int8"  # symmetric [-127, 127]: -128 unused, so that negation is exact
     FP8 = "float8_e4m3fn"  # e4m3: 3 mantissa bits, largest finite 448
     INT4 = "int4"  # symmetric [-7, 7]
+    MXFP4 = "mxfp4"  # e2m1, largest 6, with a power-of-two (e8m0) scale per MXFP4_BLOCK
 
     @property
     def dtype(self) -> jnp.dtype:
         """The stored element type."""
-        return jnp.dtype({"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "int4": jnp.int4}[self.value])
+        return jnp.dtype({"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn, "int4": jnp.int4,
+                          "mxfp4": jnp.float4_e2m1fn}[self.value])
+
+    @property
+    def scale_dtype(self) -> jnp.dtype:
+        """The stored scale type: float32, or e8m0 (a bare power of two) for MXFP4."""
+        return jnp.dtype(jnp.float8_e8m0fnu if self is ValueFormat.MXFP4 else jnp.float32)
 
     @property
     def qmax(self) -> float:
-        """The magnitude a block's absmax is mapped to."""
-        return {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0}[self.value]
+        """The magnitude a block's absmax is mapped to (at most, for MXFP4's power-of-two scales)."""
+        return {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0, "mxfp4": 6.0}[self.value]
 
 
 class WeightQuant(enum.Enum):
@@ -81,6 +106,7 @@ class WeightQuant(enum.Enum):
     FP8 = "fp8"  # e4m3 per output channel, absmax / 448
     FP8_BLOCK = "fp8-block"  # e4m3 per [in, out] block (128 x 128, or a native FP8 checkpoint's)
     INT4 = "int4"  # routed experts int4 in groups of INT4_GROUP inputs per output; the rest int8
+    MXFP4 = "mxfp4"  # routed experts MXFP4 (gpt-oss's published format, kept as stored); the rest float
 
 
 class KVQuant(enum.Enum):
@@ -95,6 +121,7 @@ class KVQuant(enum.Enum):
 AUTO = "auto"
 INT4_GROUP = 128  # inputs per int4 scale: the usual group-wise size for 4-bit weights
 FP8_BLOCK = (128, 128)  # [in, out] block of fp8-block when the source does not dictate one
+MXFP4_BLOCK = (32, 1)  # [in, out] block of MXFP4: one scale per 32 inputs of each output (OCP MX)
 
 # What "auto" means per platform (jax.default_backend()), chosen from measurements. On CPU
 # (bench/quant.py, SmolLM2-135M, 128-token prompt, one shared 2-core run) fp32 decoded 19.3 tok/s,
@@ -157,7 +184,8 @@ class QuantConfig:
 
 @struct.dataclass
 class QuantizedArray:
-    """Stored ``values`` and float32 ``scale`` of one array; see the module docstring for layouts."""
+    """Stored ``values`` and ``scale`` (float32; e8m0 for MXFP4) of one array; see the module
+    docstring for layouts."""
 
     values: Any
     scale: Any
@@ -236,11 +264,11 @@ def reblocked(x: QuantizedArray, block: tuple[int, int]) -> QuantizedArray:
 
 
 def _dequantize(x: QuantizedArray) -> jax.Array:
-    values = x.values.astype(jnp.float32)
+    values, scale = x.values.astype(jnp.float32), x.scale.astype(jnp.float32)
     if x.block is None:
-        return values * x.scale
+        return values * scale
     batch, n_in, n_out = matrix_dims(x.shape, x.in_axes)
-    matrix = values.reshape(*batch, n_in, n_out) * _expand_blocks(x.scale, x.block, n_in, n_out)
+    matrix = values.reshape(*batch, n_in, n_out) * _expand_blocks(scale, x.block, n_in, n_out)
     return matrix.reshape(x.shape)
 
 
@@ -254,8 +282,9 @@ def dequantized(x: Any, dtype: Any) -> jax.Array:
 
 def _to_values(scaled: jax.Array, fmt: ValueFormat) -> jax.Array:
     """Values already divided by their scale (|scaled| <= qmax) in the stored format."""
-    if fmt is ValueFormat.FP8:
-        return scaled.astype(fmt.dtype)  # round to nearest e4m3; within +-448 by construction
+    if fmt in (ValueFormat.FP8, ValueFormat.MXFP4):
+        # Round to nearest even e4m3 / e2m1; within +-qmax by construction (casts saturate).
+        return scaled.astype(fmt.dtype)
     return jnp.clip(jnp.round(scaled), -fmt.qmax, fmt.qmax).astype(fmt.dtype)
 
 
@@ -264,12 +293,30 @@ def _safe_scale(absmax: jax.Array, fmt: ValueFormat) -> jax.Array:
     return jnp.where(absmax > 0, absmax / fmt.qmax, 1.0).astype(jnp.float32)
 
 
+def _power_of_two_scale(absmax: jax.Array) -> jax.Array:
+    """MXFP4's e8m0 scales: the least 2^k with absmax / 2^k <= 6 (no value saturates), k within
+    [-126, 127] so that the scale is a normal float32 (XLA:CPU flushes subnormals); an all-zero
+    block gets 2^0. Built from its exponent bits, so it is exact."""
+    mantissa, exponent = jnp.frexp(absmax / ValueFormat.MXFP4.qmax)  # = mantissa 2^exponent, mantissa in [0.5, 1)
+    k = jnp.where(mantissa == 0.5, exponent - 1, exponent)
+    k = jnp.where(absmax > 0, jnp.clip(k, -126, 127), 0)
+    return jax.lax.bitcast_convert_type((k + 127).astype(jnp.uint8), jnp.float8_e8m0fnu)
+
+
+def _block_scale(absmax: jax.Array, fmt: ValueFormat) -> jax.Array:
+    """The scale of each block (or channel) of ``absmax``, in ``fmt.scale_dtype``."""
+    return _power_of_two_scale(absmax) if fmt is ValueFormat.MXFP4 else _safe_scale(absmax, fmt)
+
+
 def quantize(x: jax.Array, fmt: ValueFormat, in_axes: tuple[int, ...],
              block: tuple[int, int] | None = None) -> QuantizedArray:
-    """Symmetric absmax quantization of ``x`` in the layout given by ``in_axes`` and ``block``."""
+    """Symmetric absmax quantization of ``x`` in the layout given by ``in_axes`` and ``block``
+    (MXFP4: block layout only, with power-of-two scales, see :func:`_power_of_two_scale`)."""
     x = jnp.asarray(x, jnp.float32)
     in_axes = tuple(in_axes)
     if block is None:
+        if fmt is ValueFormat.MXFP4:
+            raise QuantError(f"mxfp4 has one scale per block of inputs; pass block={MXFP4_BLOCK}, not None")
         scale = _safe_scale(jnp.max(jnp.abs(x), axis=in_axes, keepdims=True), fmt)
         return QuantizedArray(_to_values(x / scale, fmt), scale, fmt, in_axes, None)
     batch, n_in, n_out = matrix_dims(x.shape, in_axes)
@@ -278,8 +325,8 @@ def quantize(x: jax.Array, fmt: ValueFormat, in_axes: tuple[int, ...],
     matrix = x.reshape(*batch, n_in, n_out)
     pad = [(0, 0)] * len(batch) + [(0, ni * bi - n_in), (0, no * bo - n_out)]
     blocks = jnp.pad(jnp.abs(matrix), pad).reshape(*batch, ni, bi, no, bo)
-    scale = _safe_scale(jnp.max(blocks, axis=(-3, -1)), fmt)
-    values = _to_values(matrix / _expand_blocks(scale, block, n_in, n_out), fmt)
+    scale = _block_scale(jnp.max(blocks, axis=(-3, -1)), fmt)
+    values = _to_values(matrix / _expand_blocks(scale.astype(jnp.float32), block, n_in, n_out), fmt)
     return QuantizedArray(values.reshape(x.shape), scale, fmt, in_axes, tuple(block))
 
 
@@ -310,10 +357,18 @@ def take_along_axis(x: Any, indices: jax.Array, axis: int) -> Any:
                      scale=jnp.take_along_axis(x.scale, indices, axis=axis))
 
 
+# 4-bit element types, which XLA packs two to a byte (measured on XLA:CPU, see the module
+# docstring) while ml_dtypes' itemsize says 1.
+_NIBBLE_TYPES = {jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4), jnp.dtype(jnp.float4_e2m1fn)}
+
+
 def stored_bytes(tree: Any) -> int:
-    """Bytes of every array in a tree (weights or cache) as JAX holds them, quantized values and
-    scales included (JAX reports one byte per int4 element)."""
-    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+    """Bytes of every array in a tree (weights or cache) as XLA holds them, quantized values and
+    scales included: half a byte per int4 / float4 element (rounded up per array)."""
+    def one(x) -> int:
+        dtype = jnp.dtype(x.dtype)
+        return -(-x.size // 2) if dtype in _NIBBLE_TYPES else x.size * dtype.itemsize
+    return int(sum(one(x) for x in jax.tree.leaves(tree)))
 
 
 def describe_weights(tree: Any) -> str:

@@ -29,6 +29,7 @@ from dayzero.model.moe_parallel import moe_expert_parallel
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.kernels import KernelMode
+from dayzero.kernels.tiles import masked_softmax
 from dayzero.model.kernel_attention import HeadSplit, KernelLayer, NewTokensLayer, PagedKernelCache
 from dayzero.model.quant import as_stored, dequantized
 from dayzero.model.rope import apply_rope, rope_cos_sin
@@ -75,6 +76,7 @@ def attend(
     v_new: jax.Array,
     masks: tuple[jax.Array | None, jax.Array],
     keys_token_major: bool = False,
+    sinks: jax.Array | None = None,
 ) -> jax.Array:
     """Grouped-query softmax attention of the new queries over cached and new keys -> [B,T,N,H].
 
@@ -82,6 +84,9 @@ def attend(
     cache as it was before this call (None: nothing cached), the new keys and values beside it.
     ``keys_token_major``: k_cache is [B,K,S,H] instead (a paged cache's gathered view, where
     transposing each step's gathered keys would cost more than the slower score product).
+    ``sinks`` [N] (gpt-oss): one more logit per query head in the softmax's denominator, a key
+    whose value is zero (the softmax of ``dayzero.kernels.tiles.masked_softmax``, as the
+    kernels' references take it).
     """
     B, T, N, H = q.shape
     K = k_new.shape[2]
@@ -99,10 +104,10 @@ def attend(
         mask = jnp.concatenate([mask_cached, mask_new], axis=-1)
     # Broadcast the [B, T, keys] mask over K and G, in the [B, K, G*T, keys] order of scores.
     mask = jnp.broadcast_to(mask[:, None, None], (B, 1, G) + mask.shape[1:]).reshape(B, 1, G * T, -1)
-    scores = jnp.where(mask, scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=-1)
-    # A query with no visible key (padding of an empty row) would be NaN; make it zero.
-    probs = jnp.where(mask, probs, 0.0).astype(v_new.dtype)
+    if sinks is not None:  # [N] -> [1, K, G*T], each query row its head's sink
+        sinks = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(K, G, 1), (K, G, T)).reshape(1, K, G * T)
+    # A query with no visible key (padding of an empty row) gets zeros, not NaN.
+    probs = masked_softmax(scores, mask, sinks).astype(v_new.dtype)
     S = 0 if v_cache is None else v_cache.shape[2]
     out = jnp.einsum("bkmj,bjkh->bkmh", probs[..., S:], v_new)
     if v_cache is not None:
@@ -121,7 +126,8 @@ def attention_block(
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Self-attention of ``x`` [B,T,D] over the layer's cache: (keys, values) in the cache
     layouts (``keys_token_major`` as :func:`attend`), or None. Returns the output and the new
-    (keys, values) [B,T,K,H].
+    (keys, values) [B,T,K,H]. Attention sinks (``w.sinks``, gpt-oss) join every softmax, on
+    either path.
 
     A kernel layer (``dayzero.model.kernel_attention``) attends on the kernels instead: over the
     new keys only (a first prefill), or over its pages, written first, whose written (key pages,
@@ -139,14 +145,14 @@ def attention_block(
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if isinstance(layer_cache, KernelLayer):
-        out, new = layer_cache.attend(q, k, v)
+        out, new = layer_cache.attend(q, k, v, w.sinks)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
         # The new keys/values as the cache will hold them (quantized round trip), read beside it.
         k_read, v_read = as_stored(k, k_cache), as_stored(v, v_cache)
         if k_cache is not None:
             k_cache, v_cache = dequantized(k_cache, q.dtype), dequantized(v_cache, q.dtype)
-        out, new = attend(q, k_cache, v_cache, k_read, v_read, masks, keys_token_major), (k, v)
+        out, new = attend(q, k_cache, v_cache, k_read, v_read, masks, keys_token_major, w.sinks), (k, v)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
@@ -165,7 +171,8 @@ def decoder_layer(
     masks: tuple[jax.Array | None, jax.Array],
     parallel: Parallel | None = None,
     keys_token_major: bool = False,
-) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    picks: tuple[jax.Array, jax.Array] | None = None,
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, jax.Array] | None]:
     """Pre-norm residual block: attention then SwiGLU MLP or MoE.
 
     ``layer_cache`` is the layer's cached arrays (``cache.layer(i)``, None when nothing is
@@ -174,11 +181,13 @@ def decoder_layer(
     indexer keys) with sparse attention.
     ``parallel``: the mesh, for the blocks that write their collectives by hand (see
     ``dayzero.model.parallel``).
+    ``picks``: sparse attention's picks carried from layer to layer (``mla.mla_block``), returned
+    updated as the third value.
     """
     h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
     if config.attention is AttentionKind.MLA:
         latent_attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
-        attn_out, new = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, latent_attend)
+        attn_out, new, picks = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, latent_attend, picks)
     else:
         attn_out, new = attention_block(w.attn, config, h, cos_sin, layer_cache, masks, keys_token_major)
     x = x + attn_out
@@ -190,7 +199,7 @@ def decoder_layer(
         x = x + moe(w.mlp, config.moe, h)
     else:
         x = x + moe_expert_parallel(w.mlp, config.moe, h, parallel)
-    return x, new
+    return x, new, picks
 
 
 def output_logits(weights: Weights, x: jax.Array) -> jax.Array:
@@ -244,6 +253,7 @@ def forward(
     x = jnp.take(weights.embed, tokens, axis=0)
     token_major = cache is not None and cache.keys_token_major
     new = []  # per layer, what it adds to the cache
+    picks = None  # sparse attention's last picks, which GLM-5's shared layers reuse
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
         if cache is not None:
@@ -252,7 +262,8 @@ def forward(
             layer_cache = NewTokensLayer(num_new, kernels, config.sliding_windows[i], HeadSplit.of(parallel))
         else:
             layer_cache = None
-        x, added = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel, token_major)
+        x, added, picks = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel, token_major,
+                                        picks)
         new.append(added)
         if hidden_out is not None:
             hidden_out.append(x)

@@ -24,7 +24,8 @@ from flax import struct
 
 from dayzero.model.config import ModelConfig
 from dayzero.model.quant import (
-    INT4_GROUP, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant, quantize, reblocked, scale_shape,
+    INT4_GROUP, MXFP4_BLOCK, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant, quantize, reblocked,
+    scale_shape,
 )
 
 
@@ -73,6 +74,7 @@ class AttentionWeights:
     o_bias: Any = None  # [D]
     q_norm: Any = None  # [H] (Qwen3), or [N,H] with qk_norm_all_heads (MiniMax-M2)
     k_norm: Any = None  # [H] (Qwen3), or [K,H] with qk_norm_all_heads (MiniMax-M2)
+    sinks: Any = None  # [N] float32, one logit per query head in the softmax's denominator (gpt-oss)
 
 
 @struct.dataclass
@@ -109,7 +111,7 @@ class MLAWeights:
     q_a: Any = None
     q_a_norm: Any = None
     q_b: Any = None
-    indexer: IndexerWeights | None = None  # sparse attention (DeepSeek-V3.2) only
+    indexer: IndexerWeights | None = None  # sparse attention only, and not on GLM-5's shared layers
 
 
 @struct.dataclass
@@ -131,6 +133,10 @@ class MoEWeights:
     down: Any
     score_bias: Any = None  # [E], added to the scores for the choice only (DeepSeek-V3)
     shared: MLPWeights | None = None  # always-on experts as one SwiGLU [D, S*F] (DeepSeek-V3)
+    router_bias: Any = None  # [E], added to the router logits: choice and weights (gpt-oss)
+    gate_bias: Any = None  # [E,F] (gpt-oss's expert biases, with up_bias and down_bias)
+    up_bias: Any = None  # [E,F]
+    down_bias: Any = None  # [E,D]
 
 
 @struct.dataclass
@@ -170,6 +176,8 @@ def _attention_specs(c: ModelConfig) -> AttentionWeights:
         o_bias=bias((D,), ("embed",)) if c.o_bias else None,
         q_norm=_qk_norm_spec(c, N, "q_heads"),
         k_norm=_qk_norm_spec(c, K, "kv_heads"),
+        # float32 whatever the model's dtype (the kernels take them so), split with the heads.
+        sinks=ParamSpec((N,), ("q_heads",), dtype=jnp.dtype(jnp.float32)) if c.attention_sinks else None,
     )
 
 
@@ -183,7 +191,7 @@ def _qk_norm_spec(c: ModelConfig, heads: int, axis: str) -> ParamSpec | None:
     return ParamSpec((c.head_dim,), ("head_dim",), Init.ONES)
 
 
-def _mla_specs(c: ModelConfig) -> MLAWeights:
+def _mla_specs(c: ModelConfig, i: int) -> MLAWeights:
     m, D, N = c.mla, c.hidden_size, c.num_heads
     Q, L, P, R, V = m.q_lora_rank, m.kv_lora_rank, m.nope_dim, m.rope_dim, m.v_head_dim
     lora = Q is not None
@@ -198,7 +206,8 @@ def _mla_specs(c: ModelConfig) -> MLAWeights:
         q_a=ParamSpec((D, Q), ("embed", None), in_axes=IN0) if lora else None,
         q_a_norm=ParamSpec((Q,), (None,), Init.ONES) if lora else None,
         q_b=ParamSpec((Q, N, P + R), (None, "q_heads", "head_dim"), in_axes=IN0) if lora else None,
-        indexer=None if c.dsa is None else _indexer_specs(c),
+        # GLM-5's shared layers have no indexer: they reuse the last full layer's picks.
+        indexer=_indexer_specs(c) if c.dsa is not None and c.dsa.runs_indexer(i) else None,
     )
 
 
@@ -225,7 +234,7 @@ def _mlp_specs(c: ModelConfig, F: int) -> MLPWeights:
 
 def _moe_specs(c: ModelConfig) -> MoEWeights:
     D, E, F = c.hidden_size, c.moe.num_experts, c.moe.intermediate_size
-    shared = c.moe.shared_experts
+    shared, biased = c.moe.shared_experts, c.moe.expert_bias
     return MoEWeights(
         # The router's expert axis is left unsharded: every token needs all E scores for its top-k.
         router=ParamSpec((D, E), ("embed", None)),
@@ -234,6 +243,10 @@ def _moe_specs(c: ModelConfig) -> MoEWeights:
         down=ParamSpec((E, F, D), ("experts", "ffw", "embed"), in_axes=(1,)),
         score_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.score_bias else None,
         shared=_mlp_specs(c, shared * F) if shared else None,
+        router_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.router_bias else None,
+        gate_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
+        up_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
+        down_bias=ParamSpec((E, D), ("experts", "embed"), Init.ZEROS) if biased else None,
     )
 
 
@@ -241,7 +254,7 @@ def _layer_specs(c: ModelConfig, i: int) -> LayerWeights:
     D = c.hidden_size
     return LayerWeights(
         attn_norm=ParamSpec((D,), ("embed",), Init.ONES),
-        attn=_mla_specs(c) if c.mla is not None else _attention_specs(c),
+        attn=_mla_specs(c, i) if c.mla is not None else _attention_specs(c),
         mlp_norm=ParamSpec((D,), ("embed",), Init.ONES),
         mlp=_moe_specs(c) if c.is_moe_layer(i) else _mlp_specs(c, c.intermediate_size),
     )
@@ -262,29 +275,34 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
     return map_specs(lambda s: _quantized_spec(s, quant), specs)
 
 
-def _leaf_scheme(spec: ParamSpec, quant: QuantConfig) -> tuple[ValueFormat, tuple[int, int] | None]:
-    """(stored format, block or None for per-channel) of one quantized projection."""
+def _leaf_scheme(spec: ParamSpec, quant: QuantConfig) -> tuple[ValueFormat, tuple[int, int] | None] | None:
+    """(stored format, block or None for per-channel) of one quantized projection; None where the
+    scheme leaves it float (mxfp4 outside the routed experts)."""
     scheme = quant.weights
     if scheme is WeightQuant.INT4:
         # int4 only for routed experts (most of an MoE's bytes, and each token reads few of
         # them); per-channel int4 is too coarse, hence groups of inputs per output channel.
         return (ValueFormat.INT4, (INT4_GROUP, 1)) if spec.axes[0] == "experts" else (ValueFormat.INT8, None)
+    if scheme is WeightQuant.MXFP4:
+        # gpt-oss's published format: routed experts only, everything else stays float.
+        return (ValueFormat.MXFP4, MXFP4_BLOCK) if spec.axes[0] == "experts" else None
     if scheme is WeightQuant.FP8_BLOCK:
         return ValueFormat.FP8, tuple(quant.block)
     return (ValueFormat.INT8 if scheme is WeightQuant.INT8 else ValueFormat.FP8), None
 
 
 def _quantized_spec(spec: ParamSpec, quant: QuantConfig) -> ParamSpec | QuantizedArray:
-    if spec.in_axes is None:
+    scheme = None if spec.in_axes is None else _leaf_scheme(spec, quant)
+    if scheme is None:
         return spec
-    fmt, block = _leaf_scheme(spec, quant)
+    fmt, block = scheme
     if block is None:
         scale_axes = tuple(None if i in spec.in_axes else a for i, a in enumerate(spec.axes))
     else:  # block scales are tiny (one per block); only their batch (expert) axes are split
         scale_axes = spec.axes[: spec.in_axes[0]] + (None, None)
     return QuantizedArray(
         values=dataclasses.replace(spec, dtype=fmt.dtype),
-        scale=ParamSpec(scale_shape(spec.shape, spec.in_axes, block), scale_axes, Init.ONES, jnp.dtype(jnp.float32)),
+        scale=ParamSpec(scale_shape(spec.shape, spec.in_axes, block), scale_axes, Init.ONES, fmt.scale_dtype),
         fmt=fmt, in_axes=spec.in_axes, block=block,
     )
 
@@ -359,18 +377,20 @@ def shape_structs(specs: Any, dtype: Any, shardings: Any = None) -> Any:
 
 def init_weights(specs: Any, key: jax.Array, dtype: Any = jnp.float32, scale: float = 0.02) -> Any:
     """Random weights for tests and benchmarks: N(0, scale) matrices, ones for norms, zero biases
-    (drawn in float, then quantized where ``specs`` has quantized nodes)."""
+    (drawn in float, then quantized where ``specs`` has quantized nodes); ``dtype`` for the
+    leaves whose spec leaves it open."""
     quantized = specs
     specs = float_specs(specs)
     leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     keys = jax.random.split(key, len(leaves))
 
     def make(spec: ParamSpec, k: jax.Array) -> jax.Array:
+        leaf_dtype = spec.dtype or dtype  # a fixed dtype (attention sinks) wins
         if spec.init is Init.ONES:
-            return jnp.ones(spec.shape, dtype)
+            return jnp.ones(spec.shape, leaf_dtype)
         if spec.init is Init.ZEROS:
-            return jnp.zeros(spec.shape, dtype)
-        return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(dtype)
+            return jnp.zeros(spec.shape, leaf_dtype)
+        return (scale * jax.random.normal(k, spec.shape, jnp.float32)).astype(leaf_dtype)
 
     return quantize_weights(jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)]), quantized)
 

@@ -398,8 +398,71 @@ def cli_on_mesh(hf_dir: str, one_device_dir: str, mesh_dir: str) -> dict:
             "verify_rc": vrc, "verify_passed": report["passed"]}
 
 
+def gpt_oss_config():
+    """The tiny config as gpt-oss builds it: attention sinks, q/k/v/o biases, a 6-token window in
+    the first layer and full attention in the second, softmax routing with a router bias (top-2
+    of 8), expert biases and the clamped SwiGLU (limit 0.5, so it bites on these activations)."""
+    from dayzero.model.config import Family
+
+    moe = MoEConfig(num_experts=8, experts_per_token=2, intermediate_size=32, layers=(True, True),
+                    router_bias=True, expert_bias=True, swiglu_limit=0.5, swiglu_alpha=1.702, swiglu_up_shift=1.0)
+    return replace(_tiny_config(), family=Family.GPT_OSS, qkv_bias=True, o_bias=True, attention_sinks=True,
+                   sliding_windows=(6, None), moe=moe)
+
+
+def gpt_oss_logits_and_gap(config, weights, tokens) -> tuple[np.ndarray, float]:
+    """As :func:`logits_and_router_gap`, the margin taken on the biased router logits gpt-oss ranks."""
+    import dayzero.model.transformer as transformer
+
+    def run(w, t):
+        inputs = []  # each MoE block's (router, router bias, hidden states), filled while tracing
+        real_moe = transformer.moe
+        transformer.moe = lambda mw, c, h: inputs.append((mw.router, mw.router_bias, h)) or real_moe(mw, c, h)
+        try:
+            logits = forward(w, config, t, all_logits=True)[0]
+        finally:
+            transformer.moe = real_moe
+        return logits, [router_logits(r, h.reshape(-1, h.shape[-1])) + b for r, b, h in inputs]
+
+    logits, routers = jax.jit(run)(weights, tokens)
+    return np.asarray(logits), min(choice_gap(np.asarray(r), None, config.moe) for r in routers)
+
+
+def part_gpt_oss() -> dict:
+    """gpt-oss's blocks on data=2 x tensor=4 (sinks split with the heads; also with the flash kernel
+    interpreted per device inside shard_map) and tensor=2 x expert=4 (expert biases split with the
+    experts and their width): all-position logits as on one device, and generation on
+    tensor=2 x expert=4 as on one device."""
+    from dayzero.kernels import KernelMode
+
+    config = gpt_oss_config()
+    keys = iter(jax.random.split(jax.random.key(7), 64))
+    weights = init_weights(abstract_weights(config), next(keys), scale=0.1)
+    # Random norms, biases and router bias; sinks N(0, 1), a sizeable share of each softmax.
+    weights = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(next(keys), w.shape, w.dtype), weights)
+    weights = replace(weights, layers=tuple(
+        replace(layer, attn=replace(layer.attn, sinks=jax.random.normal(next(keys), layer.attn.sinks.shape)))
+        for layer in weights.layers))
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, config.vocab_size)
+    ref, gap = gpt_oss_logits_and_gap(config, weights, tokens)
+    out = {"router_gap": gap}
+    for name, axes in (("dp2tp4", {"data": 2, "tensor": 4}), ("tp2ep4", {"tensor": 2, "expert": 4})):
+        out[name] = {"err": rel_err(sharded_logits(config, weights, tokens, axes, True), ref)}
+    placement = placement_for({"data": 2, "tensor": 4})
+    sharded = jax.device_put(weights, placement.shardings(abstract_weights(config)))
+    out["sinks_spec"] = [str(a) for a in sharded.layers[0].attn.sinks.sharding.spec]
+    par = Parallel(placement)
+    run = jax.jit(lambda w, t: forward(w, config, t, all_logits=True, parallel=par,
+                                       kernels=KernelMode.PALLAS_INTERPRET)[0])
+    out["dp2tp4_kernels"] = {"err": rel_err(run(sharded, placement.replicate(np.asarray(tokens))), ref)}
+    tp2ep4 = placement_for({"tensor": 2, "expert": 4})
+    out["tp2ep4"]["generate"] = compare(generation(Engine(config, weights)),
+                                        generation(Engine(config, weights, placement=tp2ep4)))
+    return out
+
+
 PARTS = {"dense": part_dense, "moe": part_moe, "glm": part_glm, "checkpoint": part_checkpoint,
-         "minimax": part_minimax, "minimax_norm": part_minimax_norm}
+         "minimax": part_minimax, "minimax_norm": part_minimax_norm, "gpt_oss": part_gpt_oss}
 
 if __name__ == "__main__":
     print(json.dumps(PARTS[sys.argv[1]](*sys.argv[2:])))
