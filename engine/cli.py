@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="per-device memory on N devices: weights, KV cache, activations, mesh, fits?")
     model = pl.add_mutually_exclusive_group(required=True)
     model.add_argument("--config", metavar="PATH", help="HF config.json (or the directory holding it)")
-    model.add_argument("--preset", metavar="NAME", help="a named model: deepseek-v3, kimi-k2, gpt-oss-120b, gpt-oss-20b, frontier-3t-1m")
+    model.add_argument("--preset", metavar="NAME",
+                       help="a named model: deepseek-v3, kimi-k2, glm-5, gpt-oss-120b, gpt-oss-20b, frontier-3t-1m")
     pl.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
     pl.add_argument("--device-memory", required=True, metavar="SIZE", help="memory per device, e.g. 80GiB or 141GB")
     pl.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",

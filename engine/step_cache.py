@@ -195,7 +195,8 @@ class StepCache:
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
             path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_suffix(f".{os.getpid()}.partial")
+            # One name per writer: two threads may store the same program (two signatures, one key).
+            partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")
             partial.write_bytes(data)
             os.replace(partial, path)
         except Exception as e:  # a step that cannot be stored still runs; the next start compiles it

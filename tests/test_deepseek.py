@@ -167,9 +167,10 @@ def test_mscale_and_interleave_are_effective(case, change):
 
 
 @pytest.mark.parametrize("case, scheme, kv", [
-    ("q_lora", "fp8-block", "none"), ("q_lora", "none", "int8"),
+    ("q_lora", "fp8-block", "none"),
+    # the int8 KV latent cache against HF: -m slow (tests/test_quant.py checks it against fp32 by default)
     *(pytest.param("q_lora", s, k, marks=pytest.mark.slow)
-      for s, k in (("int8", "none"), ("fp8", "none"), ("int4", "none"), ("none", "fp8"))),
+      for s, k in (("none", "int8"), ("int8", "none"), ("fp8", "none"), ("int4", "none"), ("none", "fp8"))),
 ], indirect=["case"])
 def test_quantized_model_against_hf(case, scheme, kv, quantized_vs_hf):
     """Quantized weights or latent cache against HF fp32: KL over the 500-token prompt and greedy
@@ -193,6 +194,7 @@ def test_cache_holds_only_the_latent(case):
         assert per_token == c.num_layers * (c.mla.kv_lora_rank + c.mla.rope_dim) * jnp.dtype(dtype).itemsize
 
 
+@pytest.mark.slow  # latent rows of different lengths run by default in tests/test_dsa.py's batch test
 @pytest.mark.parametrize("case", ["q_lora"], indirect=True)
 def test_batched_rows_of_different_lengths(case):
     """Two rows with different prompt lengths decode as each would alone (per-row cache writes)."""

@@ -110,7 +110,9 @@ def test_pool_bytes(kv_cache):
         assert _pool_bytes(family, "none") == unquantized[family], family
 
 
-@pytest.mark.parametrize("family, kv_cache", [("dense", KVQuant.INT8), ("window", KVQuant.FP8),
+# windows on fp8 pages: -m slow (windows on the kernels run by default in tests/test_gpt_oss.py)
+@pytest.mark.parametrize("family, kv_cache", [("dense", KVQuant.INT8),
+                                               pytest.param("window", KVQuant.FP8, marks=pytest.mark.slow),
                                                ("latent", KVQuant.INT8),
                                                # the sparse kernel on unquantized pages runs by default
                                                # (test_serving_kernels): -m slow

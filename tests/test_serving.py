@@ -61,6 +61,7 @@ def test_concurrent_greedy_requests_match_each_alone(server, tiny_engine):
     assert server.pool.in_use == 0  # every page was given back
 
 
+@pytest.mark.slow  # seeded sampling through serving runs by default in tests/test_server.py
 def test_sampled_requests_are_the_same_alone_and_among_others(server, tiny_engine):
     """Sampled requests keep their own parameters and seeds whatever shares the batch, and
     whichever sampling mode the batch needs (greedy, plain and filtered rows mixed)."""
@@ -230,6 +231,7 @@ def test_latent_attention_model_is_served_like_alone():
         assert out.token_ids == engine.generate(prompt, max_new_tokens=new, ignore_eos=True).token_ids
 
 
+@pytest.mark.slow  # chunked prefill's tokens are checked by default (test_engine, test_serving_kernels)
 def test_long_prompt_prefills_in_chunks_with_flat_step_memory():
     """A 32k-token prompt on a one-layer, one-head model: chunks shrink as the context grows, so
     that chunk tokens x attended positions stays under the budget, and the memory XLA plans for a

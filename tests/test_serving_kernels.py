@@ -70,6 +70,7 @@ def test_sliding_window_kernel_decode_matches_reference():
                  requests=3, slots=2)
 
 
+@pytest.mark.slow  # the latent kernel serves by default on a mesh in tests/test_mesh_serving.py
 def test_latent_kernel_decode_matches_reference():
     """Multi-head latent attention (DeepSeek-V3 layout): the latent pages, absorbed queries."""
     _assert_same(random_engine(LATENT), requests=3, slots=2)
