@@ -61,14 +61,26 @@ def _listen_for_persistent_hits() -> None:
         _listening = True
 
 
+def _package_modules() -> list[Path]:
+    """The package's own modules: its top-level files and subpackages (not the tests, benchmark
+    scripts or a virtual environment that a source checkout holds beside them)."""
+    modules = []
+    for top in sorted(_PACKAGE.iterdir()):
+        if top.name in ("tests", "bench") or top.name.startswith("."):
+            continue
+        if top.suffix == ".py":
+            modules.append(top)
+        elif (top / "__init__.py").exists():
+            modules += sorted(top.rglob("*.py"))
+    return modules
+
+
 def source_digest() -> str:
     """A hash of every Python module of the dayzero package (computed once per process)."""
     global _source_digest
     if _source_digest is None:
         h = hashlib.sha256()
-        for path in sorted(_PACKAGE.rglob("*.py")):
-            if ".venv" in path.parts or "tests" in path.relative_to(_PACKAGE).parts[:1]:
-                continue
+        for path in _package_modules():
             h.update(str(path.relative_to(_PACKAGE)).encode())
             h.update(path.read_bytes())
         _source_digest = h.hexdigest()
@@ -111,7 +123,7 @@ class StepCache:
         self._directory = directory
         self._scope = scope
         self._compiled: dict[Hashable, Callable] = {}
-        self._lock = threading.Lock()  # prepare() runs in threads
+        self._lock = threading.Lock()  # prepare_all builds in threads
         self.loaded = 0  # executables read from disk
         self.built = 0  # executables traced and compiled here
 

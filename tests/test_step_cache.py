@@ -113,3 +113,11 @@ def test_serving_warm_start_reads_every_step(tiny_model, steps_dir, monkeypatch)
     assert cold.built > 0  # (a few signatures are one program: their later calls read its file)
     again, warm = start()
     assert (warm.built, warm.loaded) == (0, cold.built + cold.loaded) and again == tokens
+
+
+def test_source_digest_covers_the_package_modules_only():
+    """Every module of the package (an edit to any misses the cache), not the tests or a
+    virtual environment beside them in a source checkout."""
+    names = {str(p.relative_to(step_cache._PACKAGE)) for p in step_cache._package_modules()}
+    assert {"model/transformer.py", "engine/step_cache.py", "kernels/flash_attention.py"} <= names
+    assert not any(n.startswith(("tests/", ".venv/", "bench/")) for n in names)
