@@ -230,8 +230,6 @@ def _forward_in_place(weights, tokens, pool, num_new, *, config, kernels, parall
 # by every serving engine of the process, and read from disk on a warm start (engine/step_cache.py;
 # the statics and arguments of each call are in the disk key).
 _STEPS = StepCache(scope="paged_steps")
-# Step signatures whose first call (compile or disk read, then run) was timed into a compile_s.
-_TIMED: set[tuple] = set()
 
 
 def _pinned(tree, layout):
@@ -328,26 +326,23 @@ class PagedSteps:
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
-        with self._compiling(("forward", self._step_key(shape))) as done:
-            fn, signature, args, static = self._forward_call(tokens, num_new, lengths, tables, width)
+        fn, signature, args, static = self._forward_call(tokens, num_new, lengths, tables, width)
+        with self._compiling(signature) as done:
             if fn is _forward_in_place:
                 logits, self.pool = _STEPS.call(fn, signature, *args, static=static)
             else:
                 logits, new = _STEPS.call(fn, signature, *args, static=static)
-                self.pool = _STEPS.call(_append, ("append", self._step_key(shape)), self._with_rows(tables, lengths),
-                                        new, static=dict(layout=self.layout))
+                self.pool = _STEPS.call(_append, ("append", signature[1]), self._with_rows(tables, lengths), new,
+                                        static=dict(layout=self.layout))
             done(logits)
         return logits
-
-    def _step_key(self, shape: tuple) -> tuple:
-        """What tells a step of ``shape`` apart from every other serving step of the process."""
-        return self.config, self.run, self.serving.num_pages, self.serving.page_size, shape
 
     def _forward_call(self, tokens, num_new, lengths, tables, width) -> tuple:
         """(jitted forward, its signature, arguments, statics) of a ``run_step``: on the kernels,
         the forward that writes the pages in place; else the forward whose new keys/values
         ``_append`` writes."""
-        key = self._step_key((*tokens.shape, width))
+        # What tells this step apart from every other serving step of the process.
+        key = (self.config, self.run, self.serving.num_pages, self.serving.page_size, (*tokens.shape, width))
         statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
         tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
         if self.reads_in_place(width):
@@ -357,16 +352,15 @@ class PagedSteps:
 
     @contextlib.contextmanager
     def _compiling(self, signature: tuple):
-        """Time a step into ``compile_s`` if no serving engine of this process ran its
-        ``signature`` before (that first call compiles, or reads the step from disk);
-        ``done(result)`` waits for the result so the time covers the compile and the run."""
-        first = signature not in _TIMED
+        """Time a forward step into ``compile_s`` if its ``signature`` is not compiled in this
+        process yet (that first call compiles, or reads the step from disk); ``done(result)``
+        waits for the result so the time covers the compile and the run."""
+        first = signature not in _STEPS
         start, results = time.perf_counter(), []
         yield results.append
         if first:
             jax.block_until_ready(results)
             self.compile_s += time.perf_counter() - start
-            _TIMED.add(signature)
 
     def _with_rows(self, tables: np.ndarray, lengths: np.ndarray):
         """The pool with these rows' block tables and lengths, as a step's input."""
@@ -435,8 +429,10 @@ class PagedSteps:
                               np.zeros(B), mode, masks, self.top_width(top)))
         # The forwards and samplings compile in parallel first (the page writes, whose inputs
         # are forward outputs, compile as the shapes then run one by one).
+        start = time.perf_counter()
         _STEPS.prepare_all([self._forward_call(*step) for step in steps]
                            + [self._sample_call(*sampling) for sampling in samplings])
+        self.compile_s += time.perf_counter() - start
         for step in steps:
             self.run_step(*step)
         for sampling in samplings:
