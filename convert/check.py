@@ -33,7 +33,7 @@ import numpy as np
 
 from dayzero.convert import verify_checkpoint
 from dayzero.convert.checkpoint import MANIFEST, file_sha256, read_manifest
-from dayzero.convert.convert import STORAGE_DTYPES
+from dayzero.convert.convert import STORAGE_DTYPES, fixed_dtypes
 from dayzero.convert.errors import ConvertError
 from dayzero.convert.name_map import source_tensors
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, TorchReader
@@ -181,6 +181,14 @@ def _is_floating(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype in STORAGE_DTYPES.values()
 
 
+def _dtype_accepted(source_dtype: np.dtype, fixed: np.dtype | None) -> bool:
+    """As the converter decides: an integer leaf (a token table) takes integer tensors, every
+    other leaf floating-point ones."""
+    if fixed is not None and fixed.kind in "iu":
+        return source_dtype.kind in "iu"
+    return _is_floating(source_dtype)
+
+
 def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
     """Compare an opened source's tensors with the converter's name map for its config."""
     try:
@@ -202,8 +210,9 @@ def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
         f"tensor '{name}' has shape {list(reader.shape(name))}, expected {list(r.source_shape)}"
         for name, r in present if tuple(reader.shape(name)) != r.source_shape
     ]
+    fixed = fixed_dtypes(config)
     not_float = [f"tensor '{name}' has dtype {reader.dtype(name)}, which conversion does not accept"
-                 for name, _ in present if not _is_floating(np.dtype(reader.dtype(name)))]
+                 for name, r in present if not _dtype_accepted(np.dtype(reader.dtype(name)), fixed.get(r.target))]
     info = {"config": f"{config.family.value}, {config.num_layers} layers", "expected": len(wanted),
             "present": len(names), "missing": missing, "unexpected": unexpected, "ignored": ignored,
             "wrong_shape": wrong_shape, "not_float": not_float}

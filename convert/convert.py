@@ -64,26 +64,49 @@ STORAGE_DTYPES = {
 _HALF = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16))
 
 
-def storage_dtype(requested: str | None, source: Source, recipes: tuple[Recipe, ...]) -> np.dtype:
-    """The one dtype every leaf is stored in.
+def storage_dtype(requested: str | None, source: Source, recipes: tuple[Recipe, ...],
+                  fixed: dict[str, np.dtype] | None = None) -> np.dtype:
+    """The one dtype every leaf is stored in, except the leaves of ``fixed`` (:func:`fixed_dtypes`).
 
     ``None`` keeps the source's precision without loss: a checkpoint that is all bfloat16 (or all
-    float16) stays so; GGUF (dequantized), float32 and mixed sources are stored as float32.
+    float16) stays so; GGUF (dequantized), float32 and mixed sources are stored as float32. Only
+    the leaves stored in it decide (not, e.g., a float32 sink beside bfloat16 weights).
     """
     if requested is not None:
         if requested not in STORAGE_DTYPES:
             raise ConvertError(f"dtype {requested!r} is not supported; choose one of {', '.join(STORAGE_DTYPES)}")
         return STORAGE_DTYPES[requested]
-    dtypes = {np.dtype(source.reader.dtype(name)) for name, _ in source_tensors(recipes)}
+    fixed = fixed or {}
+    dtypes = {np.dtype(source.reader.dtype(name)) for name, r in source_tensors(recipes) if r.target not in fixed}
     if len(dtypes) == 1 and dtypes <= set(_HALF):
         return dtypes.pop()
     return STORAGE_DTYPES["float32"]
 
 
-def _check_floating(source: Source, recipes: tuple[Recipe, ...]) -> None:
-    for name, _ in source_tensors(recipes):
+def fixed_dtypes(config: ModelConfig) -> dict[str, np.dtype]:
+    """``{leaf: dtype}`` of the leaves whose spec fixes their dtype whatever the storage dtype:
+    float32 attention sinks, position biases and hyper-connection mixes, DeepSeek-V4's int32
+    token -> experts tables. They are stored in that dtype, so the checkpoint keeps what the model
+    reads (``load_checkpoint`` restores them in it)."""
+    specs = named_leaves(abstract_weights(config))
+    return {name: np.dtype(s.dtype) for name, s in specs.items() if s.dtype is not None}
+
+
+def _is_integer(dtype: np.dtype) -> bool:
+    return np.dtype(dtype).kind in "iu"
+
+
+def _check_floating(source: Source, recipes: tuple[Recipe, ...], fixed: dict[str, np.dtype] | None = None) -> None:
+    """Every source tensor is floating point, except that an integer leaf (a token table) needs an
+    integer one."""
+    fixed = fixed or {}
+    for name, r in source_tensors(recipes):
         dtype = np.dtype(source.reader.dtype(name))
-        if dtype.kind != "f" and dtype not in _HALF:
+        if r.target in fixed and _is_integer(fixed[r.target]):
+            if not _is_integer(dtype):
+                raise ConvertError(f"tensor '{name}' in {source.path} has dtype {dtype}; {r.target} is a table of "
+                                   "integer ids, so the checkpoint does not match its config")
+        elif dtype.kind != "f" and dtype not in _HALF:
             raise ConvertError(
                 f"tensor '{name}' in {source.path} has dtype {dtype}; quantized or integer weights "
                 "are not supported, convert an unquantized checkpoint"
@@ -91,10 +114,17 @@ def _check_floating(source: Source, recipes: tuple[Recipe, ...]) -> None:
 
 
 def _read_part(recipe: Recipe, name: str, source: Source, storage: np.dtype) -> np.ndarray:
-    """Read, check and transform one source tensor of a recipe, cast to ``storage``."""
+    """Read, check and transform one source tensor of a recipe, cast to ``storage`` (an integer
+    dtype only for integer tables, whose values must fit it)."""
     where = str(source.path)
     x = source.reader.get(name)
     check_shape(recipe, name, x.shape, where)
+    if _is_integer(storage):
+        info = np.iinfo(storage)
+        if x.size and (x.min() < info.min or x.max() > info.max):
+            raise ConvertError(f"tensor '{name}' in {where} holds values outside {storage}; the checkpoint cannot "
+                               "be used as is")
+        return np.ascontiguousarray(recipe.apply(x), dtype=storage)
     with np.errstate(over="ignore"):  # an overflowing cast is reported just below, by name
         y = np.ascontiguousarray(recipe.apply(x), dtype=storage)
     if not np.isfinite(y).all():
@@ -157,6 +187,7 @@ class _Plan:
     storage: np.dtype
     quant: QuantConfig
     placement: Any
+    fixed: dict[str, np.dtype] = dataclasses.field(default_factory=dict)  # leaves stored in their own dtype
 
     def options(self, source: Source) -> dict[str, Any]:
         """The options that shape the output (a resume must match them all)."""
@@ -176,18 +207,19 @@ def _plan(source: Source, dtype: str | None, quantize: str | None, placement: An
     for layout in (name_map.recipes, *name_map.alternatives):
         check_targets(layout, config)
     recipes = plan(name_map, source.reader.keys(), source.reader.shape, where)
-    _check_floating(source, recipes)
-    storage = storage_dtype(dtype, source, recipes)
+    fixed = fixed_dtypes(config)
+    _check_floating(source, recipes, fixed)
+    storage = storage_dtype(dtype, source, recipes, fixed)
     quant = quant_config(quantize, source)
     if placement is not None:
         _check_layout(config, placement)
-    return _Plan(config, recipes, storage, quant, placement)
+    return _Plan(config, recipes, storage, quant, placement, fixed)
 
 
 def _leaf(r: Recipe, source: Source, p: _Plan, shape: tuple[int, ...], node: QuantizedArray | None,
           shardings: dict | None) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
     """``[(name, array, manifest entry)]`` of one leaf: read, transform, cast and hash (a pool task)."""
-    parts, how = _stored_arrays(r, source, p.storage, shape, node)
+    parts, how = _stored_arrays(r, source, p.fixed.get(r.target, p.storage), shape, node)
     out = []
     for suffix, y in parts.items():
         name = f"{r.target}/{suffix}" if suffix else r.target

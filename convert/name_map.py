@@ -338,6 +338,10 @@ def hf_name_map(c: ModelConfig) -> NameMap:
         return (bool(_HF_IGNORED.search(name)) or (c.tie_word_embeddings and name == "lm_head.weight")
                 or _is_mtp_tensor(c, name))
 
+    if c.family is Family.DEEPSEEK_V4:  # three spellings of its own tensors (dayzero.convert.name_map_v4)
+        from dayzero.convert.name_map_v4 import v4_name_map
+
+        return v4_name_map(c)
     if c.family is Family.GPT_OSS:  # its experts have one layout only
         return NameMap(_hf_recipes(c, _hf_gpt_oss_experts), ignored)
     fused = (_hf_recipes(c, _hf_fused_experts),) if c.moe is not None else ()

@@ -99,12 +99,23 @@ def _dequantizing(reader: TensorReader, hf_config: dict[str, Any], where: Path) 
     return reader if block is None else Fp8DequantReader(reader, block, str(where))
 
 
+def _check_convertible(hf_config: dict[str, Any], where: Path) -> None:
+    """Refuse, before any weight file is read, a format no reader decodes yet (DeepSeek-V4's
+    published FP8 / FP4 checkpoints, ``dayzero.convert.name_map_v4.refusal``)."""
+    from dayzero.convert.name_map_v4 import refusal
+
+    why = refusal(hf_config)
+    if why:
+        raise ConvertError(f"{where}: {why}")
+
+
 def open_source(src: Path) -> Source:
     """Open ``src`` for conversion, or raise :class:`ConvertError` saying what it should be."""
     if not src.exists():
         raise ConvertError(f"source {src} does not exist; pass an HF model directory, a .bin/.pt/.pth or a .gguf file")
     if src.is_dir():
         hf_config = _read_json(src / "config.json", "an HF model directory needs its config.json")
+        _check_convertible(hf_config, src)
         fmt, reader = _hf_dir_reader(src)
         return Source(src, fmt, _dequantizing(reader, hf_config, src), hf_config, src)
     if src.suffix == ".gguf":
@@ -124,6 +135,7 @@ def open_source(src: Path) -> Source:
             src.parent / "config.json",
             f"a PyTorch state dict needs the model's HF config.json in the same directory as {src.name}",
         )
+        _check_convertible(hf_config, src)
         return Source(src, "torch", _dequantizing(TorchReader(src), hf_config, src), hf_config, src.parent)
     raise ConvertError(
         f"cannot tell what {src} is from its name; pass an HF model directory, a .bin/.pt/.pth or a .gguf file"

@@ -22,6 +22,12 @@ per head. Capping that product (``chunk_budget``) keeps each step's memory flat 
 the prompt is: beyond the KV pages themselves (and one layer's gathered copy of them), a 32k
 prompt needs no more memory than a short one. The total attention work is the same; only the
 weight matmuls run on fewer rows at a time.
+
+DeepSeek-V4 (``ServingConfig.slot_cache``, set by ``resolve``) has no pages: its window rings,
+compressed entries and compressor states live in one cache row per slot
+(``dayzero.model.compressed_slots``), and a step's "table" is each row's slot index (width 1).
+Every step that reads the cache reads the whole row, so the table-width buckets collapse to one
+and a prefill chunk after the first is capped once, by ``chunk_budget`` over ``max_context``.
 """
 
 from __future__ import annotations
@@ -37,11 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.generate import GenerationError, bucket
-from dayzero.engine.runtime import RunConfig, check_page_pool, resolve_run, with_kernels
+from dayzero.engine.runtime import RunConfig, check_page_pool, check_paged, resolve_run, with_kernels
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, SamplingMode, SamplingParams, allow_all, sample
 from dayzero.engine.sampling import top_logprobs as most_likely
 from dayzero.engine.step_cache import StepCache
 from dayzero.kernels import KernelMode
+from dayzero.model.compressed_slots import SlotCache, append_to_slots, init_slot_cache, slot_cache_specs
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
 from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, paged_cache_specs, with_written
@@ -66,7 +73,10 @@ class ServingConfig:
     ``dayzero.engine.runtime.with_kernels``): reference gathers each row's pages; pallas and
     pallas_interpret run a first prefill chunk on the flash (or sparse) kernel and read the pages
     in place with the paged (or sparse) kernels in every later step, prefill chunk or decode
-    (``dayzero.model.kernel_attention``).
+    (``dayzero.model.kernel_attention``). slot_cache: set by ``resolve`` from the model, whatever
+    given: True for DeepSeek-V4, whose cache is held per slot (``max_context`` tokens each) rather
+    than in pages: ``num_pages``, ``page_size`` and ``min_table_pages`` do not apply, admission
+    needs a free slot only, and there is no prefix cache (see ``resolve``).
     """
 
     slots: int = 8
@@ -79,6 +89,7 @@ class ServingConfig:
     min_table_pages: int = 4
     prefix_cache: bool = True
     kernels: KernelMode | str | None = None
+    slot_cache: bool = False
 
     def __post_init__(self):
         checks = [
@@ -105,6 +116,14 @@ class ServingConfig:
             raise GenerationError(
                 f"max_context={context} is more than the model's context of "
                 f"{model.max_position_embeddings} tokens; lower it")
+        if model.compressed is not None:
+            run = self.run_for(model, run)
+            check_paged(model, run)
+            # One cache row per slot (no pages). No prefix cache: a hit would have to restore the
+            # window ring and the compressor states as they were at the page boundary, which
+            # nothing snapshots, so a shared prefix is computed again.
+            return dataclasses.replace(self, max_context=context, num_pages=None, kernels=run.kernels,
+                                       slot_cache=True, prefix_cache=False)
         per_seq = -(-context // self.page_size)
         pages = self.num_pages or max(per_seq, self.slots * -(-1024 // self.page_size))
         if pages < per_seq:
@@ -112,8 +131,9 @@ class ServingConfig:
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
                 f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
         run = self.run_for(model, run)
+        check_paged(model, run)
         check_page_pool(run, model, pages, self.page_size)
-        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=run.kernels)
+        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=run.kernels, slot_cache=False)
 
     def run_for(self, model: ModelConfig, run: RunConfig | None = None) -> RunConfig:
         """The run configuration serving runs with: ``run`` (default: the platform's choices on
@@ -128,8 +148,25 @@ class ServingConfig:
 
     @property
     def max_table_pages(self) -> int:
-        """Width of the full block tables (the widest bucket)."""
+        """Width of the full block tables (the widest bucket); 1 with a slot cache (the slot index)."""
+        if self.slot_cache:
+            return 1
         return max(bucket(self.pages_for(self.max_context), 1), self.min_table_pages)
+
+    @property
+    def slot_chunk(self) -> int:
+        """With a slot cache, the longest chunk that reads the cache: the largest chunk size T with
+        T x ``max_context`` (a bound on the positions a slot's row attends) within ``chunk_budget``
+        (at least ``min_chunk``)."""
+        fits = [T for T in self.chunk_sizes() if T * self.max_context <= self.chunk_budget]
+        return max(fits, default=self.min_chunk)
+
+    def attended(self, width: int | None) -> int:
+        """Cached positions a step reading ``width`` table entries attends to (at most: a slot's
+        whole row of ``max_context`` positions with a slot cache)."""
+        if width is None:
+            return 0
+        return self.max_context if self.slot_cache else width * self.page_size
 
     def table_width(self, pages: int) -> int:
         """The bucketed table width that addresses ``pages`` pages."""
@@ -141,6 +178,8 @@ class ServingConfig:
         T = min(self.max_chunk, bucket(remaining, self.min_chunk))
         if start == 0:
             return T, None
+        if self.slot_cache:
+            return min(T, self.slot_chunk), 1
         while True:
             W = self.table_width(self.pages_for(start + min(T, remaining)))
             if T <= self.min_chunk or T * W * self.page_size <= self.chunk_budget:
@@ -161,11 +200,15 @@ class ServingConfig:
 
     def table_widths(self) -> list[int]:
         """Every table width W."""
+        if self.slot_cache:
+            return [1]
         return [w for w in (1 << e for e in range(self.max_table_pages.bit_length())) if w >= self.min_table_pages]
 
     def prefill_shapes(self) -> list[tuple[int, int | None]]:
         """Every (T, W) ``chunk_shape`` can return."""
         shapes = [(T, None) for T in self.chunk_sizes()]
+        if self.slot_cache:
+            return shapes + [(T, 1) for T in self.chunk_sizes() if T <= self.slot_chunk]
         for T, W in itertools.product(self.chunk_sizes(), self.table_widths()):
             # The table holds at least one cached position and the chunk's real tokens: more
             # than T/2 of them (else T would be a smaller bucket) unless T is the smallest.
@@ -214,7 +257,8 @@ def _forward_logits(weights, tokens, num_new, cache, *, config, kernels=KernelMo
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
 def _append(pool, new, layout=None):
-    return _pinned(append_to_pages(pool, new), layout)
+    write = append_to_slots if isinstance(pool, SlotCache) else append_to_pages
+    return _pinned(write(pool, new), layout)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel", "layout"), donate_argnames=("pool",))
@@ -286,6 +330,9 @@ def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
 
 class PagedSteps:
     """The page pool on the device(s) and the compiled forward, page write and sampling steps.
+    With a slot cache (``ServingConfig.slot_cache``) the pool is a
+    :class:`~dayzero.model.compressed_slots.SlotCache` (one cache row per slot) and a step's tables
+    are its rows' slot indices [B, 1].
 
     On a mesh (``run.placement``) the pool is laid out by its logical axes
     (``paged_cache_specs``: per-head pages split by kv head), the forward runs with the mesh's
@@ -302,11 +349,18 @@ class PagedSteps:
         self.config, self.weights, self.serving, self.run = config, weights, serving, run
         self._host = host or (lambda value: jax.tree.map(jnp.asarray, value))
         self.parallel: Parallel | None = run.parallel
-        specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache)
+        dtype = weights.embed.dtype
+        if serving.slot_cache:
+            specs = slot_cache_specs(config, serving.slots, serving.max_context, kv_quant=run.kv_cache)
+        else:
+            specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache)
         self.layout = None if run.placement is None else run.placement.shardings(specs)
         self.sample_layout = None if run.placement is None else run.placement.replicated()
-        self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=weights.embed.dtype,
-                                     kv_quant=run.kv_cache, shardings=self.layout)
+        if serving.slot_cache:
+            self.pool = init_slot_cache(config, serving.slots, serving.max_context, dtype, run.kv_cache, self.layout)
+        else:
+            self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=dtype,
+                                         kv_quant=run.kv_cache, shardings=self.layout)
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
         self.samplings_run: set[tuple[int, SamplingMode, bool, int]] = set()  # (B, mode, masked, top) of each
         self.compile_s = 0.0  # seconds of the first call of each step shape (compile, then run)
@@ -341,8 +395,11 @@ class PagedSteps:
         """(jitted forward, its signature, arguments, statics) of a ``run_step``: on the kernels,
         the forward that writes the pages in place; else the forward whose new keys/values
         ``_append`` writes."""
-        # What tells this step apart from every other serving step of the process.
-        key = (self.config, self.run, self.serving.num_pages, self.serving.page_size, (*tokens.shape, width))
+        # What tells this step apart from every other serving step of the process (the pool's shape:
+        # its pages, or with a slot cache its slots of max_context positions).
+        s = self.serving
+        pool = ("slots", s.slots, s.max_context) if s.slot_cache else (s.num_pages, s.page_size)
+        key = (self.config, self.run, pool, (*tokens.shape, width))
         statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
         tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
         if self.reads_in_place(width):
@@ -363,9 +420,12 @@ class PagedSteps:
             self.compile_s += time.perf_counter() - start
 
     def _with_rows(self, tables: np.ndarray, lengths: np.ndarray):
-        """The pool with these rows' block tables and lengths, as a step's input."""
-        return self.pool.replace(block_tables=self._host(np.asarray(tables, np.int32)),
-                                 lengths=self._host(np.asarray(lengths, np.int32)))
+        """The pool with these rows' block tables (with a slot cache: slot indices, the tables'
+        first column) and lengths, as a step's input."""
+        lengths = self._host(np.asarray(lengths, np.int32))
+        if self.serving.slot_cache:
+            return self.pool.replace(slots=self._host(np.asarray(tables, np.int32)[:, 0]), lengths=lengths)
+        return self.pool.replace(block_tables=self._host(np.asarray(tables, np.int32)), lengths=lengths)
 
     def reads_in_place(self, width: int | None) -> bool:
         """Whether a step reading ``width`` table pages runs on the paged kernels (any step that

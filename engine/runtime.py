@@ -30,7 +30,10 @@ What is refused (:func:`resolve_run` raises):
   they set the expert-parallel dispatch only;
 - the kernels (``pallas``, and ``pallas_interpret``, which runs the same kernels and so keeps the
   same limit) over an int8/fp8 page pool of 2^31 to 2^32 elements per device
-  (:func:`check_page_pool`, when a serving engine sizes its pool).
+  (:func:`check_page_pool`, when a serving engine sizes its pool);
+- DeepSeek-V4 (compressed attention): the kernels asked for by name (it has no kernel path yet;
+  ``auto`` resolves to the reference path), and serving it on a mesh (its serving cache, one row
+  per slot, is not laid out on a mesh yet: :func:`check_paged`).
 """
 
 from __future__ import annotations
@@ -131,7 +134,7 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
     try:
         quant = _weight_storage(quantize, stored)
         kv = parse_kv_quant(kv_cache)
-        mode = resolve_mode(KernelMode.AUTO if kernels is None else kernels)
+        mode = _model_kernels(model, resolve_mode(KernelMode.AUTO if kernels is None else kernels), kernels)
     except (QuantError, KernelError) as e:
         raise RunConfigError(str(e)) from None
     matmul = _grouped_matmul(grouped_matmul)
@@ -150,6 +153,25 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
             _check_kernels_on_mesh(model, placement, mode)
     return RunConfig(jnp.dtype(dtype or default_dtype()), quant, kv, mode, placement, capacity_factor, matmul,
                      tuple(requested.items()))
+
+
+def _model_kernels(model: ModelConfig, mode: KernelMode, requested: KernelMode | str | None) -> KernelMode:
+    """``mode`` for this model: DeepSeek-V4's compressed attention has no kernel path yet, so
+    ``auto`` means the reference path there and a kernel asked for by name is refused."""
+    if model.compressed is None or mode is KernelMode.REFERENCE:
+        return mode
+    if _spelled(requested) == "auto":
+        return KernelMode.REFERENCE
+    raise RunConfigError(f"--kernels {_spelled(requested)}: DeepSeek-V4's compressed attention has no kernel path "
+                         "yet (its reference path runs); use --kernels reference or auto")
+
+
+def check_paged(model: ModelConfig, run: RunConfig) -> None:
+    """Refuse what the serving engine cannot run for this model and run configuration: DeepSeek-V4
+    on a mesh (its slot cache, ``dayzero.model.compressed_slots``, has no mesh layout yet)."""
+    if model.compressed is not None and run.placement is not None:
+        raise RunConfigError("serving DeepSeek-V4 on a --mesh is not supported yet (its per-slot cache has no "
+                             "mesh layout); serve it on one device, or use `dayzero generate` on the mesh")
 
 
 def _grouped_matmul(name) -> GroupedMatmul | None:
@@ -209,7 +231,7 @@ def with_kernels(run: RunConfig, model: ModelConfig, kernels: KernelMode | str |
     if kernels is None:
         return run
     try:
-        mode = resolve_mode(kernels)
+        mode = _model_kernels(model, resolve_mode(kernels), kernels)
     except KernelError as e:
         raise RunConfigError(str(e)) from None
     if run.placement is not None and mode is not KernelMode.REFERENCE:

@@ -27,6 +27,12 @@ compiled sampling step. A batch with no constrained row samples with the program
 without masks. :meth:`ServingEngine.cancel` withdraws a request between steps;
 :meth:`ServingEngine.metrics` reports the queue, pool and counters without touching the device.
 
+DeepSeek-V4 has no pages (``ServingConfig.slot_cache``): each slot holds one cache row of
+``max_context`` tokens (``dayzero.model.compressed_slots``), so a request is admitted whenever a
+slot is free, never waits for pages and is never preempted, and ``pool`` is None (no prefix
+cache; ``metrics`` reports no pages). A slot is reused without a reset: a request admitted to it
+starts at length 0 and never reads what an earlier one left there.
+
 A request's tokens do not depend on what else runs: every row computes the same function of its
 own inputs, sampling keys come from the request's seed and the index of the token within the
 request (never the slot or the step), and recomputation after preemption reproduces the same
@@ -154,7 +160,8 @@ class ServingEngine:
         run = config.run_for(engine.config, engine.run)
         self.config = config.resolve(engine.config, run)
         self.steps = PagedSteps(engine.config, engine.weights, self.config, run, host=engine._host)
-        self.pool = PagePool(self.config.num_pages)
+        # The pages' bookkeeping; None with a slot cache (no pages: a slot is all a request needs).
+        self.pool = None if self.config.slot_cache else PagePool(self.config.num_pages)
         self.stats = ServingStats()
         self._ids = itertools.count()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -289,11 +296,16 @@ class ServingEngine:
         ``waiting`` (queued) and ``running``, ``pages_used`` / ``pages_free`` (free or evictable
         cached), ``prefix_cache_hit_rate`` (of the positions prefill had to provide, the share
         found in the prefix cache), and cumulative ``preemptions``, ``prompt_tokens`` and
-        ``generated_tokens`` (over every replica)."""
+        ``generated_tokens`` (over every replica). With a slot cache there are no pages to report
+        (``running`` is the slots in use, of ``config.slots``)."""
         stats, engines = self.stats, self.replicas
+        pages = {}
+        if not self.config.slot_cache:
+            pages = dict(pages_used=sum(e.pool.in_use for e in engines),
+                         pages_free=sum(e.pool.available for e in engines))
         return dict(
             waiting=sum(len(e._waiting) for e in engines), running=sum(len(e._running()) for e in engines),
-            pages_used=sum(e.pool.in_use for e in engines), pages_free=sum(e.pool.available for e in engines),
+            **pages,
             prefix_cache_hit_rate=stats.cached_tokens / stats.lookup_tokens if stats.lookup_tokens else 0.0,
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens)
@@ -309,7 +321,8 @@ class ServingEngine:
         self._admit()
         decoding = self._grow_decoding()
         events = []
-        self.stats.peak_pages = max(self.stats.peak_pages, self.pool.in_use)
+        if self.pool is not None:
+            self.stats.peak_pages = max(self.stats.peak_pages, self.pool.in_use)
         prefill = min((r for r in self._running() if r.prefilling), key=lambda r: r.admitted, default=None)
         samples_prefill = prefill is not None and prefill.computed + self._chunk(prefill)[2] >= len(prefill.tokens)
         masks = self._masks(([prefill] if samples_prefill else []) + decoding)
@@ -325,19 +338,9 @@ class ServingEngine:
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             r = self._waiting[0]
-            matched = []
-            if self.config.prefix_cache:
-                r.hashes = page_hashes(r.tokens, self.config.page_size, r.hashes)
-                # Leave at least one token to compute: its logits give the next token.
-                matched = self.pool.match_prefix(r.hashes[: (len(r.tokens) - 1) // self.config.page_size])
-            needed = self.config.pages_for(len(r.tokens)) - len(matched)
-            if self.pool.available < needed + len(self._running()):
-                self.pool.release(matched)
+            if self.pool is not None and not self._allocate(r):
                 return
             self._waiting.popleft()
-            r.pages = matched + [self.pool.allocate() for _ in range(needed)]
-            r.registered = len(matched)
-            r.computed = len(matched) * self.config.page_size
             self.stats.cached_tokens += r.computed
             self.stats.lookup_tokens += r.prefill_target
             if r.admitted < 0:  # first admission (not a readmission after preemption)
@@ -346,10 +349,27 @@ class ServingEngine:
             r.slot = self._slots.index(None)
             self._slots[r.slot] = r
 
+    def _allocate(self, r: _Request) -> bool:
+        """Give ``r`` the pages of its whole prompt (its cached prefix's first), if the pool has them
+        with one page of growth left for every running request; whether it did."""
+        matched = []
+        if self.config.prefix_cache:
+            r.hashes = page_hashes(r.tokens, self.config.page_size, r.hashes)
+            # Leave at least one token to compute: its logits give the next token.
+            matched = self.pool.match_prefix(r.hashes[: (len(r.tokens) - 1) // self.config.page_size])
+        needed = self.config.pages_for(len(r.tokens)) - len(matched)
+        if self.pool.available < needed + len(self._running()):
+            self.pool.release(matched)
+            return False
+        r.pages = matched + [self.pool.allocate() for _ in range(needed)]
+        r.registered = len(matched)
+        r.computed = len(matched) * self.config.page_size
+        return True
+
     def _grow_decoding(self) -> list[_Request]:
         """Give each decoding request a page for its next token, preempting when the pool is
-        out; returns the decoding requests still running."""
-        for r in sorted(self._running(), key=lambda r: r.admitted):
+        out; returns the decoding requests still running (with a slot cache the slot has room)."""
+        for r in sorted(self._running(), key=lambda r: r.admitted) if self.pool is not None else ():
             if r.slot is None or r.prefilling:  # preempted meanwhile, or not decoding yet
                 continue
             while len(r.pages) * self.config.page_size <= r.computed:
@@ -363,21 +383,24 @@ class ServingEngine:
         return [r for r in self._running() if not r.prefilling]
 
     def _preempt(self, r: _Request) -> None:
-        """Free ``r``'s pages and slot; it goes to the front of the queue, to be recomputed."""
-        self.pool.release(r.pages)
-        r.pages, r.computed, r.registered = [], 0, 0
-        self._slots[r.slot] = None
-        r.slot = None
+        """Free ``r``'s pages and slot; it goes to the front of the queue, to be recomputed (into
+        whichever slot it gets next)."""
+        self._free(r)
+        r.computed, r.registered = 0, 0
         self._waiting.appendleft(r)
         self.stats.preemptions += 1
 
     # ---- device calls --------------------------------------------------------------------------
 
     def _tables(self, requests: list[_Request], rows: int) -> np.ndarray:
-        """Full-width block tables [rows, W] of ``requests`` (then zero rows)."""
+        """Full-width block tables [rows, W] of ``requests`` (then zero rows); with a slot cache,
+        each request's slot [rows, 1] (a zero row writes nothing: it has no token)."""
         tables = np.zeros((rows, self.config.max_table_pages), np.int32)
         for row, r in enumerate(requests):
-            tables[row, : len(r.pages)] = r.pages
+            if self.pool is None:
+                tables[row, 0] = r.slot
+            else:
+                tables[row, : len(r.pages)] = r.pages
         return tables
 
     def _chunk(self, r: _Request) -> tuple[int, int | None, int]:
@@ -394,7 +417,7 @@ class ServingEngine:
         self._written(r, n)
         self.stats.prefill_tokens += n
         self.stats.prefill_chunks += 1
-        self.stats.largest_chunk_scores = max(self.stats.largest_chunk_scores, T * (T + (W or 0) * self.config.page_size))
+        self.stats.largest_chunk_scores = max(self.stats.largest_chunk_scores, T * (T + self.config.attended(W)))
         if r.computed < len(r.tokens):  # more prompt to go, or a recomputed request decodes next
             return []
         return self._sample([r], logits, 1, masks)
@@ -494,7 +517,8 @@ class ServingEngine:
 
     def _free(self, r: _Request) -> None:
         """Give ``r``'s pages and slot back (its registered full pages stay in the prefix cache)."""
-        self.pool.release(r.pages)
+        if self.pool is not None:
+            self.pool.release(r.pages)
         r.pages = []
         self._slots[r.slot] = None
         r.slot = None

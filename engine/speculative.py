@@ -101,14 +101,19 @@ def speculative_refusal(config: ModelConfig, run: RunConfig) -> str | None:
 
     The verify step is the contiguous-cache forward on one device, so refused are: the Pallas
     kernels (generation runs on the paged cache there, which has no verify step yet), a mesh
-    (the step's outputs are not pinned to mesh layouts yet), and dynamic-NTK RoPE (its
-    frequencies depend on the longest position seen, which the drafts would move: not lossless).
+    (the step's outputs are not pinned to mesh layouts yet), DeepSeek-V4's compressed attention
+    (a rejected draft has already advanced its window ring and compressor states), and
+    dynamic-NTK RoPE (its frequencies depend on the longest position seen, which the drafts would
+    move: not lossless).
     """
     if run.on_kernels:
         return (f"speculative decoding runs on the contiguous cache only, not with --kernels {run.kernels.value}; "
                 "use --kernels reference or drop --speculative")
     if run.placement is not None:
         return "speculative decoding runs on one device only, not on a --mesh; drop --mesh or --speculative"
+    if config.compressed is not None:
+        return ("speculative decoding cannot roll back DeepSeek-V4's window ring and compressor states past a "
+                "rejected draft yet; drop --speculative for this model")
     if config.rope.type is RopeType.DYNAMIC:
         return ("speculative decoding is not lossless with dynamic-NTK RoPE (draft positions would change the "
                 "frequencies); drop --speculative for this model")

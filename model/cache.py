@@ -133,6 +133,10 @@ def cache_specs(config: ModelConfig, batch: int, max_len: int,
     def buffer(shape: tuple[int, ...], axes: tuple[str | None, ...], channel_axis: int):
         return buffer_spec(shape, axes, channel_axis, kv_quant)
 
+    if config.compressed is not None:  # DeepSeek-V4's window rings, entries and compressor states
+        from dayzero.model import compressed_cache
+
+        return compressed_cache.cache_specs(config, batch, max_len, kv_quant)
     lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
     rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
     layers = range(config.num_layers)
@@ -251,6 +255,10 @@ def append_to_cache(cache: KVCache | LatentCache, new: NewKV | NewLatent) -> KVC
     Jit it with the cache donated (and apart from ``forward``, see the module docstring). The
     cache must have room: ``max(lengths) + T <= max_len``, or the write would be clamped.
     """
+    if not isinstance(cache, (KVCache, LatentCache)):  # DeepSeek-V4's CompressedCache
+        from dayzero.model import compressed_cache
+
+        return compressed_cache.append(cache, new)
     starts = cache.lengths
     if isinstance(cache, LatentCache):
         latent = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.latent, new.latent))

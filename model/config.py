@@ -38,6 +38,10 @@ class Family(enum.Enum):
     # gpt-oss: GQA with q/k/v/o biases and attention sinks, alternating sliding-window and full
     # layers, YaRN; softmax routing with a router bias, experts with biases and a clamped SwiGLU
     GPT_OSS = "gpt_oss"
+    # DeepSeek-V4: one shared key/value head per token over a sliding window plus compressed
+    # entries (CompressedConfig), hyper-connection residual streams (HyperConfig), sqrt-softplus
+    # routing with hash-routed first layers
+    DEEPSEEK_V4 = "deepseek_v4"
 
 
 class AttentionKind(enum.Enum):
@@ -46,6 +50,9 @@ class AttentionKind(enum.Enum):
 
     GQA = "gqa"  # grouped-query attention over per-head keys/values (MHA and MQA included)
     MLA = "mla"  # multi-head latent attention: one compressed latent per token (DeepSeek-V3)
+    # DeepSeek-V4: a sliding window of one key=value head plus compressed entries per layer kind
+    # (``dayzero.model.compressed``)
+    COMPRESSED = "compressed"
 
 
 class RopeType(enum.Enum):
@@ -88,6 +95,7 @@ class RouterScore(enum.Enum):
 
     SOFTMAX = "softmax"  # over all E experts (Mixtral, Qwen3-MoE)
     SIGMOID = "sigmoid"  # each expert on its own (DeepSeek-V3)
+    SQRTSOFTPLUS = "sqrtsoftplus"  # sqrt(softplus(logit)), each expert on its own (DeepSeek-V3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,8 +135,16 @@ class MoEConfig:
     swiglu_limit: float | None = None  # clamp of the experts' gate (above) and up (both sides)
     swiglu_alpha: float = 1.0  # gate * sigmoid(alpha * gate); 1 is silu
     swiglu_up_shift: float = 0.0  # the up projection enters as (up + shift); gpt-oss adds 1
+    # Per decoder layer: True where the experts come from a fixed token-id -> experts table
+    # (``MoEWeights.tid2eid`` [V,C], DeepSeek-V4's hash-routed first layers) instead of the top-C
+    # scores; the weights are still the chosen experts' scores. Empty: no hash-routed layer.
+    hash_layers: tuple[bool, ...] = ()
 
     def __post_init__(self):
+        hashed = tuple(bool(h) for h in self.hash_layers)
+        object.__setattr__(self, "hash_layers", hashed if any(hashed) else ())
+        if self.hash_layers and len(self.hash_layers) != len(self.layers):
+            raise ConfigError(f"{len(self.hash_layers)} hash-routing flags given for {len(self.layers)} layers")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ConfigError(f"swiglu_limit={self.swiglu_limit} must be positive (or null for no clamp)")
         if not 1 <= self.experts_per_token <= self.num_experts:
@@ -200,6 +216,73 @@ class DSAConfig:
         return not self.shared or not self.shared[i]
 
 
+class CompressKind(enum.Enum):
+    """DeepSeek-V4's attention layer kinds (HF ``layer_types`` names)."""
+
+    SLIDING = "sliding_attention"  # the sliding window only
+    CSA = "compressed_sparse_attention"  # + entries of every csa_ratio tokens, an indexer picks top-k
+    HCA = "heavily_compressed_attention"  # + entries of every hca_ratio tokens, all visible ones read
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressedConfig:
+    """DeepSeek-V4 attention (``dayzero.model.compressed``), letters as in NOTES.md's V4 study.
+
+    Every layer: queries from a q LoRA (``q_lora_rank``) then an unweighted RMS per head, one
+    key=value head of ``head_dim`` per token (RMSNorm'd), RoPE on each head's trailing R dims
+    with interleaved pairs, learned sinks, and a sliding ``window`` of past tokens (the token
+    itself included). CSA/HCA layers add compressed entries: one per ``ratio`` tokens, a
+    per-channel softmax-gated sum of the window's projected rows (CSA: over 2 * ratio rows, the
+    previous window's and its own), RMSNorm'd and rotated at the window's first position; HCA
+    reads every visible entry, CSA the ``index_topk`` an indexer of ``index_heads`` x
+    ``index_head_dim`` picks. CSA/HCA layers rotate with ``compress_rope``, sliding ones with the
+    model's ``rope``. The output [N*H] goes through ``o_groups`` block-diagonal projections to
+    ``o_lora_rank`` each, then one projection to D.
+    """
+
+    kinds: tuple[CompressKind, ...]  # per decoder layer
+    window: int  # W: keys each query sees in the sliding part, itself included
+    compress_rope: RopeConfig
+    q_lora_rank: int  # Q
+    o_groups: int  # g
+    o_lora_rank: int  # d_g
+    index_topk: int
+    index_heads: int  # I
+    index_head_dim: int  # J
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+
+    def __post_init__(self):
+        object.__setattr__(self, "kinds", tuple(CompressKind(k) for k in self.kinds))
+        for name in ("window", "q_lora_rank", "o_groups", "o_lora_rank", "index_topk", "index_heads",
+                     "index_head_dim", "csa_ratio", "hca_ratio"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+
+    def ratio_of(self, kind: CompressKind) -> int | None:
+        """Tokens per compressed entry in a layer of ``kind`` (None: a sliding-only layer)."""
+        return {CompressKind.SLIDING: None, CompressKind.CSA: self.csa_ratio, CompressKind.HCA: self.hca_ratio}[kind]
+
+    def ratio(self, i: int) -> int | None:
+        """Tokens per compressed entry in layer ``i`` (None: a sliding-only layer)."""
+        return self.ratio_of(self.kinds[i])
+
+
+@dataclasses.dataclass(frozen=True)
+class HyperConfig:
+    """Manifold-constrained hyper-connections (DeepSeek-V4, ``dayzero.model.hyper``): the residual
+    is ``mult`` streams, mixed around each block by a Sinkhorn-normalised matrix
+    (``sinkhorn_iters`` normalisations, ``eps`` in every division and added to the gates)."""
+
+    mult: int  # n, HF hc_mult
+    sinkhorn_iters: int
+    eps: float
+
+    def __post_init__(self):
+        if self.mult < 1 or self.sinkhorn_iters < 1:
+            raise ConfigError(f"hc_mult={self.mult} and hc_sinkhorn_iters={self.sinkhorn_iters} must be at least 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer (dimension letters as in DESIGN.md).
@@ -239,6 +322,8 @@ class ModelConfig:
     # Multi-token-prediction modules stored after the last layer (DeepSeek-V3's
     # num_nextn_predict_layers): plain decoding never runs them, the converter skips their tensors.
     mtp_layers: int = 0
+    compressed: CompressedConfig | None = None  # set iff attention is COMPRESSED (DeepSeek-V4)
+    hyper: HyperConfig | None = None  # hyper-connection residual streams (None: one plain residual)
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -265,8 +350,15 @@ class ModelConfig:
                 f"{len(self.dsa.shared)} indexer layer types given for {self.num_layers} layers, first "
                 f"{'shared' if self.dsa.shared[0] else 'full'}: give one per layer, the first 'full'"
             )
-        if self.attention_sinks and self.attention is not AttentionKind.GQA:
-            raise ConfigError("attention_sinks=True is only supported for grouped-query attention, not latent attention")
+        if (self.compressed is not None) != (self.attention is AttentionKind.COMPRESSED):
+            raise ConfigError(f"attention={self.attention.value} needs compressed settings iff it is COMPRESSED")
+        if self.compressed is not None and (len(self.compressed.kinds) != self.num_layers or self.num_kv_heads != 1):
+            raise ConfigError(
+                f"compressed attention needs one layer kind per layer ({len(self.compressed.kinds)} given for "
+                f"{self.num_layers}) and one key/value head (num_key_value_heads={self.num_kv_heads})"
+            )
+        if self.attention_sinks and self.attention is AttentionKind.MLA:
+            raise ConfigError("attention_sinks=True is not supported with latent attention")
         if self.qk_norm_all_heads and not self.qk_norm:
             raise ConfigError("qk_norm_all_heads=True needs qk_norm=True (it says how the q/k norm is taken)")
         rotary = self.rope.rotary_dim(self.head_dim)
@@ -290,6 +382,9 @@ class ModelConfig:
         d["attention"] = self.attention.value
         if self.moe is not None:
             d["moe"]["score"] = self.moe.score.value
+        if self.compressed is not None:
+            d["compressed"]["kinds"] = [k.value for k in self.compressed.kinds]
+            d["compressed"]["compress_rope"]["type"] = self.compressed.compress_rope.type.value
         return d
 
     @classmethod
@@ -303,7 +398,14 @@ class ModelConfig:
         attention = AttentionKind(d.pop("attention", AttentionKind.GQA.value))
         moe = d.pop("moe", None)
         if moe is not None:
-            moe = MoEConfig(**{**moe, "score": RouterScore(moe["score"]), "layers": tuple(moe["layers"])})
+            moe = MoEConfig(**{**moe, "score": RouterScore(moe["score"]), "layers": tuple(moe["layers"]),
+                               "hash_layers": tuple(moe.get("hash_layers", ()))})
+        compressed = d.pop("compressed", None)
+        if compressed is not None:
+            crope = dict(compressed["compress_rope"], type=RopeType(compressed["compress_rope"]["type"]))
+            compressed = CompressedConfig(**{**compressed, "kinds": tuple(compressed["kinds"]),
+                                             "compress_rope": RopeConfig(**crope)})
+        hyper = d.pop("hyper", None)
         return cls(
             family=Family(d.pop("family")),
             rope=RopeConfig(**rope),
@@ -313,5 +415,7 @@ class ModelConfig:
             attention=attention,
             mla=None if mla is None else MLAConfig(**mla),
             dsa=None if dsa is None else DSAConfig(**dsa),
+            compressed=compressed,
+            hyper=None if hyper is None else HyperConfig(**hyper),
             **d,
         )

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.kernels import KernelMode
+from dayzero.model import footprint_v4
 from dayzero.model.config import ModelConfig
 from dayzero.model.footprint_steps import Step, step_collectives, step_stages
 from dayzero.model.mesh_check import mesh_refusal
@@ -127,6 +128,8 @@ class DecodeFootprint:
         ``work.context`` positions, one replica's pool per data replica (module docstring)."""
         s = storage(work)
         rows = -(-work.batch // int(axes.get("data", 1)))
+        if self.config.compressed is not None:  # DeepSeek-V4: a slot cache per replica (footprint_v4)
+            return list(_slot_cache_tensors(self.config, s.kv, s.dtype.name, rows, work.context))
         return list(_cache_tensors(self.config, s.kv, s.dtype.name, rows, work.context, work.page_size))
 
     def steps(self, work: Workload, axes: Mapping[str, int]) -> dict[str, list[Step]]:
@@ -139,6 +142,8 @@ class DecodeFootprint:
         sizes = dict(k=work.compute_itemsize, expert=int(axes.get("expert", 1)),
                      tensor=int(axes.get("tensor", 1)), converted=quantized_kv)
         rows = -(-work.batch // int(axes.get("data", 1)))
+        if self.config.compressed is not None:
+            return footprint_v4.steps(work, rows, sizes)
         return {"decode": [Step(B=rows, T=1, S=work.decode_positions, **sizes)],
                 "prefill": [Step(B=1, T=T, S=S, **sizes) for T, S in work.prefill_shapes()]}
 
@@ -177,6 +182,12 @@ def _cache_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, cont
     return tuple(_tensors(pools, dtype, Component.KV_CACHE, Component.KV_SCALES))
 
 
+@functools.lru_cache(maxsize=256)
+def _slot_cache_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, context: int) -> tuple[Tensor, ...]:
+    specs = footprint_v4.slot_cache_specs(config, rows, context, kv)
+    return tuple(footprint_v4.on_replica(t) for t in _tensors(specs, dtype, Component.KV_CACHE, Component.KV_SCALES))
+
+
 def _tensors(specs, dtype: str, values: Component, scales: Component) -> list[Tensor]:
     """A spec tree's leaves as tensors: float leaves at ``dtype`` (or their fixed dtype), a
     quantized node as its stored values and its scale. Identical leaves (every layer's ``q``, ...)
@@ -192,6 +203,24 @@ def _tensors(specs, dtype: str, values: Component, scales: Component) -> list[Te
     return [dataclasses.replace(ts[0], count=len(ts)) for ts in same.values()]
 
 
+# 4-bit element types. XLA packs them two to a byte on every platform, although ml_dtypes'
+# itemsize (and so ``jax.Array.nbytes`` and a shard's ``nbytes``) says 1, as numpy holds them on
+# the host. Checked: XLA:CPU, measured here (process RSS grows 0.500 bytes per element of an int4,
+# uint4 or float4_e2m1fn array, 1.000 for int8; ``tools/plan_measure.held_bytes_per_element``,
+# which the validation compares with these figures); XLA:GPU by its source (openxla/xla
+# ``xla/service/gpu/gpu_transfer_manager.h``: ``PackSubbyteTypes()`` is true, and the PJRT GPU
+# client allocates ``CeilOfRatio(bytes, 8 / bit width)`` for a sub-byte buffer); TPU's transfer
+# manager packs them too (``xla/stream_executor/tpu/tpu_transfer_manager_interface.h``,
+# ``PackSubbyteTypes()`` true). No device was at hand to measure GPU/TPU memory here.
+_PACKED_BITS = {jnp.dtype(jnp.int4): 4, jnp.dtype(jnp.uint4): 4, jnp.dtype(jnp.float4_e2m1fn): 4}
+
+
+def held_itemsize(dtype) -> float:
+    """Bytes per element of ``dtype`` as the device holds an array of it: half a byte for the
+    4-bit types (packed, see above), else the dtype's itemsize."""
+    dtype = jnp.dtype(dtype)
+    return _PACKED_BITS[dtype] / 8 if dtype in _PACKED_BITS else dtype.itemsize
+
+
 def _tensor(name: str, spec, dtype: str, component: Component) -> Tensor:
-    itemsize = jnp.dtype(spec.dtype or dtype).itemsize  # int4: 1 byte per element, as JAX holds it
-    return Tensor(name, tuple(spec.shape), tuple(spec.axes), itemsize, component)
+    return Tensor(name, tuple(spec.shape), tuple(spec.axes), held_itemsize(spec.dtype or dtype), component)

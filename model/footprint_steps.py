@@ -8,6 +8,7 @@ engine's forward call on the reference path (``paged_steps._forward_logits`` wit
 the logits of the last position only. With ``data`` > 1 the replicas are independent
 (``engine.replicas``): nothing splits or joins a step's rows, so no buffer here has a ``batch``
 axis. ``Engine``'s contiguous decode is not planned: a deployment serves from the pages.
+DeepSeek-V4 (a slot cache, not pages) is counted in ``footprint_v4``.
 
 Buffers (:func:`step_stages`): a stage is a point of the step with the buffers live there
 together; every stage includes the step's outputs (each layer's new cache rows) and the
@@ -124,7 +125,12 @@ def _moe_layers(c: ModelConfig) -> int:
 
 
 def step_stages(c: ModelConfig, st: Step) -> list[Stage]:
-    """The stages of one step (module docstring); each includes the step's outputs."""
+    """The stages of one step (module docstring); each includes the step's outputs. DeepSeek-V4's
+    are ``footprint_v4``'s."""
+    if c.compressed is not None:
+        from dayzero.model import footprint_v4  # it builds on this module's helpers
+
+        return footprint_v4.step_stages(c, st)
     base = _outputs(c, st) + _held(c, st)
     if c.mla is None:
         attention = [("a layer's pages gathered", _kv_pages_whole(c, st)),
@@ -342,7 +348,12 @@ def _moe(c: ModelConfig, st: Step) -> tuple[Tensor, ...]:
 
 
 def step_collectives(c: ModelConfig, st: Step) -> list[Collective]:
-    """The collectives of one step (module docstring), per device, by the op each stands for."""
+    """The collectives of one step (module docstring), per device, by the op each stands for
+    (DeepSeek-V4's: ``footprint_v4``)."""
+    if c.compressed is not None:
+        from dayzero.model import footprint_v4
+
+        return footprint_v4.step_collectives(c, st)
     B, T, D, k, L = st.B, st.T, c.hidden_size, st.k, c.num_layers
     rows = ((B, T, D), (None, None, None))
     out = [Collective("embedding lookup: partial rows of the vocabulary-split table", Op.ALL_REDUCE, "vocab",

@@ -574,6 +574,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         raise ConfigError(
             f"unsupported architecture model_type={model_type!r}; supported: {supported}"
         ) from None
+    if family is Family.DEEPSEEK_V4:  # its own module: compressed attention, hyper-connections, legacy keys
+        from dayzero.model.hf_config_v4 import parse_v4_config
+
+        return parse_v4_config(raw)
     traits = _TRAITS[family]
     # A family's HF defaults fill only the keys the file leaves out (or sets to null).
     filled = {k: v for k, v in traits.defaults if raw.get(k) is None}

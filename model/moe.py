@@ -3,7 +3,9 @@
 ``moe`` takes a layer's :class:`MoEWeights` and hidden states [B,T,D]:
 
 1. Route: the router scores every token against every expert and keeps C experts per token,
-   with their weights (:func:`route`; the scheme is set by :class:`MoEConfig`).
+   with their weights (:func:`route`; the scheme is set by :class:`MoEConfig`). A hash-routed
+   layer (DeepSeek-V4's first ones) takes the C experts from a token-id table instead, so
+   :func:`moe` then needs the token ids.
 2. Dispatch: the B*T*C (token, expert) pairs are sorted by expert, so that each expert's rows
    are contiguous, and a histogram of the choices gives each expert's group size
    (:func:`sort_by_expert`).
@@ -101,28 +103,62 @@ def _best_groups_only(choice: jax.Array, config: MoEConfig) -> jax.Array:
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(N, E)
 
 
+def router_scores(logits: jax.Array, score: RouterScore) -> jax.Array:
+    """Per-expert scores [N,E] fp32 from router ``logits`` [N,E] (see :class:`RouterScore`)."""
+    if score is RouterScore.SOFTMAX:
+        return jax.nn.softmax(logits, axis=-1)
+    if score is RouterScore.SIGMOID:
+        return jax.nn.sigmoid(logits)
+    # DeepSeek-V4 (HF SqrtSoftplusActivation). torch's softplus returns x itself above 20, jax's
+    # log(1 + e^x) differs from x there by < e^-20: below fp32 rounding.
+    return jnp.sqrt(jax.nn.softplus(logits))
+
+
+def _hashed_experts(tid2eid: jax.Array, tokens: jax.Array | None, n: int, c: int) -> jax.Array:
+    """The experts [n,C] of a hash-routed layer: row ``tokens[i]`` of the table ``tid2eid`` [V,C]."""
+    if tokens is None:
+        raise ValueError("this MoE layer routes by token id (its weights have tid2eid): pass tokens, "
+                         "the token ids of the hidden states")
+    if tokens.size != n or tid2eid.shape[-1] != c:
+        raise ValueError(f"hash routing: {tokens.size} token ids for {n} hidden states, tid2eid {tid2eid.shape} "
+                         f"for {c} experts per token; pass the ids of the same tokens, [B,T] like x's [B,T,D]")
+    # Clipped, not filled: an out-of-range id (a padding token) must still give valid expert ids.
+    return jnp.take(tid2eid, tokens.reshape(-1), axis=0, mode="clip")
+
+
 def route(router: jax.Array, config: MoEConfig, x: jax.Array, score_bias: jax.Array | None = None,
-          router_bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+          router_bias: jax.Array | None = None, tokens: jax.Array | None = None,
+          tid2eid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Each token's C experts [N,C] (int32, best first) and their fp32 weights [N,C]; ``x`` is [N,D].
 
-    See :class:`MoEConfig` for the scheme; ``score_bias`` [E] is required iff ``config.score_bias``,
-    ``router_bias`` [E] (added to the logits) iff ``config.router_bias``.
+    See :class:`MoEConfig` for the scheme; ``score_bias`` [E] is required iff ``config.score_bias``
+    (and the layer is not hash-routed), ``router_bias`` [E] (added to the logits) iff
+    ``config.router_bias``. ``tid2eid`` [V,C] (a hash-routed layer, DeepSeek-V4): the experts are
+    the table's row for each token id of ``tokens`` [N] (required then; ignored otherwise), in the
+    table's order, and weighted by their scores as chosen ones are.
     """
-    if (score_bias is not None) != config.score_bias:
-        raise ValueError(f"score_bias given: {score_bias is not None}, config.score_bias: {config.score_bias}")
+    hashed = tid2eid is not None
+    if (score_bias is not None) != (config.score_bias and not hashed):
+        raise ValueError(f"score_bias given: {score_bias is not None}, config.score_bias: {config.score_bias}"
+                         + (" (a hash-routed layer has none)" if hashed else ""))
     if (router_bias is not None) != config.router_bias:
         raise ValueError(f"router_bias given: {router_bias is not None}, config.router_bias: {config.router_bias}")
     logits = router_logits(router, x)
     if router_bias is not None:  # gpt-oss: a biased linear router, so the weights move with the choice
         logits = logits + router_bias.astype(jnp.float32)
-    scores = jax.nn.softmax(logits, axis=-1) if config.score is RouterScore.SOFTMAX else jax.nn.sigmoid(logits)
-    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
-    if config.num_groups > 1:
-        choice = _best_groups_only(choice, config)
-    _, experts = jax.lax.top_k(choice, config.experts_per_token)
+    scores = router_scores(logits, config.score)
+    if hashed:
+        experts = _hashed_experts(tid2eid, tokens, x.shape[0], config.experts_per_token)
+    else:
+        choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+        if config.num_groups > 1:
+            choice = _best_groups_only(choice, config)
+        _, experts = jax.lax.top_k(choice, config.experts_per_token)
     weights = jnp.take_along_axis(scores, experts, axis=-1)
     if config.renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        # HF's DeepSeek-V4 routers divide by sum + 1e-20; the others by the sum alone.
+        tiny = 1e-20 if config.score is RouterScore.SQRTSOFTPLUS else 0.0
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + tiny)
     return weights * config.routed_scaling, experts.astype(jnp.int32)
 
 
@@ -149,7 +185,8 @@ def active_experts(group_sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
 def gated(g: jax.Array, u: jax.Array, act: MoEConfig | None = None) -> jax.Array:
     """SwiGLU's gating of the gate projection ``g`` by the up projection ``u``: silu(g) * u, or
     the variant ``act`` sets (gpt-oss: g clamped above and u on both sides at ``swiglu_limit``,
-    then g * sigmoid(``swiglu_alpha`` g) * (u + ``swiglu_up_shift``), as HF's ``_apply_gate``)."""
+    then g * sigmoid(``swiglu_alpha`` g) * (u + ``swiglu_up_shift``), as HF's ``_apply_gate``;
+    DeepSeek-V4: the clamp, then silu(g) * u, for its routed and shared experts alike)."""
     if act is None:
         return jax.nn.silu(g) * u
     if act.swiglu_limit is not None:
@@ -326,18 +363,24 @@ def grouped_swiglu(w: MoEWeights, xs: jax.Array, group_sizes: jax.Array,
     return _expert_loop_swiglu(w, xs, group_sizes, act)
 
 
-def moe(w: MoEWeights, config: MoEConfig, x: jax.Array, impl: GroupedMatmul | None = None) -> jax.Array:
-    """The MoE block on hidden states ``x`` [B,T,D] (already normed) -> [B,T,D]."""
+def moe(w: MoEWeights, config: MoEConfig, x: jax.Array, impl: GroupedMatmul | None = None,
+        tokens: jax.Array | None = None) -> jax.Array:
+    """The MoE block on hidden states ``x`` [B,T,D] (already normed) -> [B,T,D].
+
+    ``tokens`` [B,T]: the token ids of ``x``'s positions, required when the layer is hash-routed
+    (``w.tid2eid``, DeepSeek-V4), ignored otherwise.
+    """
     B, T, D = x.shape
     C = config.experts_per_token
-    tokens = x.reshape(B * T, D)
-    weights, experts = route(w.router, config, tokens, w.score_bias, w.router_bias)
+    ids = None if tokens is None else tokens.reshape(-1)
+    rows = x.reshape(B * T, D)
+    weights, experts = route(w.router, config, rows, w.score_bias, w.router_bias, ids, w.tid2eid)
     order, group_sizes = sort_by_expert(experts, config.num_experts)
-    ys = grouped_swiglu(w, tokens[order // C], group_sizes, impl, config)
+    ys = grouped_swiglu(w, rows[order // C], group_sizes, impl, config)
     # Back to pair order: pair order[j] produced row j.
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     per_pair = ys[unsort].reshape(B * T, C, D)
     out = jnp.einsum("ncd,nc->nd", per_pair, weights.astype(x.dtype))
-    if w.shared is not None:
-        out = out + swiglu(tokens, w.shared.gate, w.shared.up, w.shared.down, config)
+    if w.shared is not None:  # with config's gating too: DeepSeek-V4's shared expert is clamped as the routed ones
+        out = out + swiglu(rows, w.shared.gate, w.shared.up, w.shared.down, config)
     return out.reshape(B, T, D)

@@ -6,7 +6,9 @@ there). ``moe_expert_parallel`` runs the block inside ``jax.shard_map``, with th
 written out:
 
 1. The B*T tokens are split over ``expert`` (padded to a multiple of ep; padding rows are
-   marked invalid and never sent). Each device routes its own tokens with the whole router.
+   marked invalid and never sent). Each device routes its own tokens with the whole router
+   (a hash-routed layer, DeepSeek-V4: with the whole token-id table, its tokens' ids split
+   with them).
 2. Plan: each device decides which of its (token, expert) pairs it keeps (all of them unless a
    capacity is set, below), sorts the kept ones by expert -- so by destination device, then by
    that device's local expert -- and counts them per expert. One ``all_gather`` of these counts
@@ -295,6 +297,8 @@ def _expert_specs(w: MoEWeights, par: Parallel) -> tuple[MoEWeights, str | None]
         router=P(), gate=gate, up=up, down=down,
         score_bias=None if w.score_bias is None else P(), shared=None,
         router_bias=None if w.router_bias is None else P(), **biases,
+        # Whole on every device: a device's tokens may have any id. [V,C] int32, 3 MB for V4.
+        tid2eid=None if w.tid2eid is None else P(),
     )
     return specs, gate_values[2]
 
@@ -321,11 +325,13 @@ class _Routed(NamedTuple):
 
 def _route_local(tokens: jax.Array, valid: jax.Array, router: jax.Array, score_bias: jax.Array | None, *,
                  config: MoEConfig, axis: str, ep: int, capacity: int,
-                 router_bias: jax.Array | None = None) -> _Routed:
+                 router_bias: jax.Array | None = None, ids: jax.Array | None = None,
+                 tid2eid: jax.Array | None = None) -> _Routed:
     """Route this device's tokens [n,D], keep what fits, sort the kept pairs by expert and share
-    the per-expert counts with every device of ``axis``."""
+    the per-expert counts with every device of ``axis``. ``ids`` [n]: the tokens' ids, for a
+    hash-routed layer's table ``tid2eid``."""
     E, C = config.num_experts, config.experts_per_token
-    probs, experts = route(router, config, tokens, score_bias, router_bias)  # [n,C] each
+    probs, experts = route(router, config, tokens, score_bias, router_bias, ids, tid2eid)  # [n,C] each
     flat = experts.reshape(-1)  # pair p is token p // C
     sent = jnp.repeat(valid, C)
     keep = _kept(flat // (E // ep), sent, ep, capacity)
@@ -366,14 +372,15 @@ def _stats(routed: _Routed, sizes: jax.Array, *, axis: str, exchange_kind: Excha
         num_experts=routed.table.shape[1])
 
 
-def _dispatch_local(tokens, valid, w: MoEWeights, *, config: MoEConfig, axis: str, ep: int, capacity: int,
+def _dispatch_local(tokens, valid, ids, w: MoEWeights, *, config: MoEConfig, axis: str, ep: int, capacity: int,
                     width_axis: str | None, impl: GroupedMatmul | None, exchange_kind: Exchange, with_stats: bool):
-    """The shard_map body: route local tokens [n,D], send, compute own experts, return, combine."""
+    """The shard_map body: route local tokens [n,D] (ids [n] or None), send, compute own experts,
+    return, combine."""
     n, D = tokens.shape
     C = config.experts_per_token
     num_local = w.gate.shape[0]
     routed = _route_local(tokens, valid, w.router, w.score_bias, config=config, axis=axis, ep=ep, capacity=capacity,
-                          router_bias=w.router_bias)
+                          router_bias=w.router_bias, ids=ids, tid2eid=w.tid2eid)
     me = jax.lax.axis_index(axis)
     if width_axis is not None and w.down_bias is not None:
         # Each width device's down product is a partial sum, added up by the psum below: the down
@@ -395,6 +402,17 @@ def _dispatch_local(tokens, valid, w: MoEWeights, *, config: MoEConfig, axis: st
                        row_bytes=D * tokens.dtype.itemsize)
 
 
+def _split_ids(tokens: jax.Array | None, x: jax.Array, padded: int) -> jax.Array | None:
+    """The token ids [B,T] of ``x`` [B,T,D] flattened and padded (with id 0) to ``padded``, as
+    :func:`_split_tokens` pads the hidden states; None stays None."""
+    if tokens is None:
+        return None
+    if tokens.shape != x.shape[:2]:
+        raise ValueError(f"token ids {tokens.shape} do not match the hidden states {x.shape}; pass [B,T] ids")
+    flat = tokens.reshape(-1)
+    return jnp.pad(flat, (0, padded - flat.shape[0]))
+
+
 def _split_tokens(config: MoEConfig, x: jax.Array, par: Parallel) -> tuple[str, int, jax.Array, jax.Array, int]:
     """(expert mesh axis, ep, tokens [n*ep,D] padded to a multiple of ep, their validity, capacity).
 
@@ -412,17 +430,20 @@ def _split_tokens(config: MoEConfig, x: jax.Array, par: Parallel) -> tuple[str, 
 
 
 def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Parallel, *,
-                        with_stats: bool = False) -> jax.Array | tuple[jax.Array, DispatchStats]:
+                        with_stats: bool = False, tokens: jax.Array | None = None
+                        ) -> jax.Array | tuple[jax.Array, DispatchStats]:
     """The MoE block on hidden states ``x`` [B,T,D] with experts split over ``expert`` -> [B,T,D].
 
     Same result as ``dayzero.model.moe.moe`` (exactly the same pairs computed, up to summation
     order) when nothing is dropped; see the module docstring for the dispatch and capacity.
     ``with_stats``: also return the dispatch's :class:`DispatchStats` (a few extra reductions;
-    without it nothing is counted).
+    without it nothing is counted). ``tokens`` [B,T]: the token ids, required when the layer is
+    hash-routed (``w.tid2eid``), ignored otherwise.
     """
     B, T, D = x.shape
     N = B * T
-    axis, ep, tokens, valid, capacity = _split_tokens(config, x, par)
+    axis, ep, rows, valid, capacity = _split_tokens(config, x, par)
+    ids = _split_ids(tokens if w.tid2eid is not None else None, x, rows.shape[0])
     routed = _aligned_experts(w.replace(shared=None), par)  # the shared experts run outside, below
     specs, width_axis = _expert_specs(routed, par)
     body = functools.partial(
@@ -431,37 +452,42 @@ def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Par
     )
     result = jax.shard_map(
         body, mesh=par.placement.mesh,
-        in_specs=(P(axis), P(axis), specs), out_specs=(P(axis), P()) if with_stats else P(axis),
+        in_specs=(P(axis), P(axis), None if ids is None else P(axis), specs),
+        out_specs=(P(axis), P()) if with_stats else P(axis),
         # The shared grouped SwiGLU starts its loops from fresh zeros, which the varying-axes
         # type check rejects inside shard_map; the body's own psum makes the output the same
         # on every tensor device, as out_specs says.
         check_vma=False,
-    )(tokens, valid, routed)
+    )(rows, valid, ids, routed)
     out, stats = result if with_stats else (result, None)
     out = out[:N]
-    if w.shared is not None:  # always-on experts: the plain SwiGLU, split like a dense MLP
+    if w.shared is not None:  # always-on experts: a SwiGLU (the block's gating too), split like a dense MLP
         out = out + swiglu(x.reshape(N, D), w.shared.gate, w.shared.up, w.shared.down, config)
     out = out.reshape(B, T, D)
     return (out, stats) if with_stats else out
 
 
 def dispatch_stats(router: jax.Array, score_bias: jax.Array | None, config: MoEConfig, x: jax.Array,
-                   par: Parallel, router_bias: jax.Array | None = None) -> DispatchStats:
+                   par: Parallel, router_bias: jax.Array | None = None, *, tokens: jax.Array | None = None,
+                   tid2eid: jax.Array | None = None) -> DispatchStats:
     """The :class:`DispatchStats` of ``moe_expert_parallel(w, config, x, par)`` from its routing
     alone (the same routing, capacity and counts; no expert runs and no row moves), for
-    measuring drop rates and traffic at sizes whose experts are not allocated."""
+    measuring drop rates and traffic at sizes whose experts are not allocated. A hash-routed
+    layer: its table ``tid2eid`` and the token ids ``tokens`` [B,T]."""
     D = x.shape[2]
-    axis, ep, tokens, valid, capacity = _split_tokens(config, x, par)
+    axis, ep, rows, valid, capacity = _split_tokens(config, x, par)
+    ids = _split_ids(tokens if tid2eid is not None else None, x, rows.shape[0])
     kind = resolve_exchange(par.exchange)
 
-    def body(tokens, valid, router, score_bias, router_bias):
-        routed = _route_local(tokens, valid, router, score_bias, config=config, axis=axis, ep=ep, capacity=capacity,
-                              router_bias=router_bias)
+    def body(rows, valid, ids, router, score_bias, router_bias, tid2eid):
+        routed = _route_local(rows, valid, router, score_bias, config=config, axis=axis, ep=ep, capacity=capacity,
+                              router_bias=router_bias, ids=ids, tid2eid=tid2eid)
         sizes = routed.table.reshape(ep, ep, -1).sum(axis=-1)
         return _stats(routed, sizes, axis=axis, exchange_kind=kind, capacity=capacity,
-                      row_bytes=D * tokens.dtype.itemsize)
+                      row_bytes=D * rows.dtype.itemsize)
 
     spec = lambda b: None if b is None else P()  # noqa: E731
-    return jax.shard_map(body, mesh=par.placement.mesh, in_specs=(P(axis), P(axis), P(), spec(score_bias),
-                                                                  spec(router_bias)),
-                         out_specs=P(), check_vma=False)(tokens, valid, router, score_bias, router_bias)
+    return jax.shard_map(body, mesh=par.placement.mesh,
+                         in_specs=(P(axis), P(axis), None if ids is None else P(axis), P(), spec(score_bias),
+                                   spec(router_bias), spec(tid2eid)),
+                         out_specs=P(), check_vma=False)(rows, valid, ids, router, score_bias, router_bias, tid2eid)

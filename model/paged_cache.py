@@ -33,6 +33,9 @@ paged kernel reads the pages in place.
 ``forward``, with the cache donated, for the reason the transformer module docstring gives).
 With a kernel mode, a step reads the pages in place instead: ``kernel_view`` wraps the cache for
 it and ``with_written`` takes the written pages back (``dayzero.model.kernel_attention``).
+
+DeepSeek-V4's cache (window rings, compressed entries, compressor states) is not paged: serving
+holds it per slot (``dayzero.model.compressed_slots``), and :func:`paged_cache_specs` refuses it.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from dayzero.model.quant import KVQuant, QuantizedArray
 from dayzero.model.weights import Init, ParamSpec
 
 __all__ = ["PagedKVCache", "PagedLatentCache", "init_paged_cache", "paged_cache_specs", "page_slots",
-           "append_to_pages", "kernel_view", "with_written"]
+           "append_to_pages", "kernel_view", "with_written", "after_input"]
 
 
 @struct.dataclass
@@ -88,12 +91,12 @@ class PagedKVCache:
         Keys are not transposed to the contiguous cache's [B,K,H,S]: on XLA:CPU that transpose of
         the gathered copy cost more than the whole attention (``attend`` reads them token-major).
         """
-        tables = _after(self.block_tables, after)
+        tables = after_input(self.block_tables, after)
         return gathered(self.k_pages[i], tables), gathered(self.v_pages[i], tables)
 
 
-def _after(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
-    """``block_tables`` unchanged, but computed from ``after`` too.
+def after_input(block_tables: jax.Array, after: jax.Array | None) -> jax.Array:
+    """``block_tables`` (any int array of row indices) unchanged, but computed from ``after`` too.
 
     Without a data dependency XLA gathers every layer's pages at the start of the step, so
     that a copy of the whole context of every row is live at once (measured: temp memory
@@ -133,7 +136,7 @@ class PagedLatentCache:
     def layer(self, i: int, after: jax.Array | None = None) -> tuple[jax.Array, ...]:
         """Layer ``i``'s latent rows [B,S,C] (and indexer keys [B,S,J]), gathered from the pages
         once ``after`` (the layer's input) is computed."""
-        tables = _after(self.block_tables, after)
+        tables = after_input(self.block_tables, after)
         latent = gathered(self.latent_pages[i], tables)
         if self.index_key_pages is None:
             return (latent,)
@@ -152,6 +155,9 @@ def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch
     def pool(shape: tuple[int, ...], axes: tuple[str | None, ...]):
         return buffer_spec(shape, axes, len(shape) - 1, kv_quant)  # the channel is every pool's last axis
 
+    if config.compressed is not None:
+        raise ValueError("DeepSeek-V4's window rings, compressed entries and compressor states are not paged; "
+                         "serve it with a slot cache (dayzero.model.compressed_slots.slot_cache_specs)")
     tables = ParamSpec((batch, table_width), ("batch", None), Init.ZEROS, jnp.dtype(jnp.int32))
     lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
     rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))

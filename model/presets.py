@@ -17,6 +17,11 @@ would, so a preset is only ever a shortcut for a file (``dayzero plan --preset N
   experts of width 2880, 4 per token, attention sinks, YaRN x32 over 4096 positions). Their
   ``quantization_config`` (MXFP4 experts) says how the published files store the experts; the
   planner's own storage options (``--quantize``) say how dayzero would hold them.
+- ``deepseek-v4-flash`` / ``deepseek-v4-pro``: DeepSeek-V4 (284B / 1.6T, 1M context) as
+  published by deepseek-ai (their config.json, keys and values, in the legacy spelling HF's
+  ``DeepseekV4Config`` folds in: ``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``,
+  the flat ``rope_scaling``). The planner cannot count V4's compressed cache yet and refuses to
+  plan them (``dayzero.model.footprint``); parsing and the parameter count work.
 """
 
 from __future__ import annotations
@@ -249,6 +254,85 @@ _GLM_5: dict[str, Any] = {
     "vocab_size": 154880,
 }
 
+# DeepSeek-V4-Flash (deepseek-ai/DeepSeek-V4-Flash): its sizes are HF DeepseekV4Config's defaults;
+# the values were copied from third-party copies of the published config.json (the hub itself was
+# not reachable from here), which agree with HF's defaults and with NOTES.md's V4 study. Layers 0-1
+# attend over the sliding window only, then CSA (ratio 4) on even and HCA (128) on odd layers; the
+# last compress_ratios entry is the MTP layer's. FP8 weights; the experts are stored as FP4.
+_DEEPSEEK_V4_FLASH: dict[str, Any] = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "hc_eps": 1e-06,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "head_dim": 512,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "index_head_dim": 128,
+    "index_n_heads": 64,
+    "index_topk": 512,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 1048576,
+    "model_type": "deepseek_v4",
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 43,
+    "num_hash_layers": 3,
+    "num_key_value_heads": 1,
+    "num_nextn_predict_layers": 1,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32, "beta_slow": 1, "factor": 16, "original_max_position_embeddings": 65536, "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.5,
+    "scoring_func": "sqrtsoftplus",
+    "sliding_window": 128,
+    "swiglu_limit": 10.0,
+    "tie_word_embeddings": False,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.57.1",
+    "use_cache": True,
+    "vocab_size": 129280,
+    "compress_rope_theta": 160000,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+}
+
+# DeepSeek-V4-Pro (deepseek-ai/DeepSeek-V4-Pro): Flash's keys with the Pro sizes. Secondary sources
+# only (two third-party copies of its config.json, which agree with each other): hidden 7168, 61
+# layers, 128 heads, q_lora_rank 1536, 16 output groups, 384 experts of width 3072, scaling 2.5,
+# index_topk 1024 (one hub mirror says 512; NOTES.md's study), layers 0-1 HCA then CSA on even and
+# HCA on odd layers. Check against the hub's config.json when it can be reached.
+_DEEPSEEK_V4_PRO: dict[str, Any] = {
+    **_DEEPSEEK_V4_FLASH,
+    "hidden_size": 7168,
+    "index_topk": 1024,
+    "moe_intermediate_size": 3072,
+    "n_routed_experts": 384,
+    "num_attention_heads": 128,
+    "num_hidden_layers": 61,
+    "o_groups": 16,
+    "q_lora_rank": 1536,
+    "routed_scaling_factor": 2.5,
+    "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": _DEEPSEEK_V3,
     "kimi-k2": _KIMI_K2,
@@ -256,6 +340,8 @@ PRESETS: dict[str, dict[str, Any]] = {
     "glm-5": _GLM_5,
     "gpt-oss-120b": _GPT_OSS_120B,
     "gpt-oss-20b": _GPT_OSS_20B,
+    "deepseek-v4-flash": _DEEPSEEK_V4_FLASH,
+    "deepseek-v4-pro": _DEEPSEEK_V4_PRO,
 }
 
 

@@ -133,6 +133,22 @@ def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarra
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
+def apply_rope_trailing(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotate the trailing R dims of ``x`` [B, T, heads, H] with adjacent pairs (x0, x1), (x2, x3),
+    ..., leaving ``x[..., :H-R]`` unchanged: DeepSeek-V4's layout [nope | rope] (HF's
+    ``deepseek_v4.apply_rotary_pos_emb``). Tables [B, T, R] as :func:`rope_cos_sin` makes them.
+
+    The result stays in the interleaved layout (V4 reads keys as values, so the stored rows must
+    be HF's, not a permutation of them); ``sin`` negated undoes the rotation.
+    """
+    R = cos.shape[-1]
+    nope, rope = x[..., : x.shape[-1] - R], x[..., x.shape[-1] - R:]
+    rotated = apply_rope(deinterleave(rope), cos, sin)
+    # Back to adjacent pairs: [a0..a(R/2-1), b0..] -> [a0, b0, a1, b1, ...].
+    rotated = jnp.stack([rotated[..., : R // 2], rotated[..., R // 2:]], axis=-1).reshape(rope.shape)
+    return jnp.concatenate([nope, rotated], axis=-1)
+
+
 def deinterleave(x: jnp.ndarray) -> jnp.ndarray:
     """Rotary pairs stored adjacent, (x0, x1), (x2, x3), ... -> the half-split layout
     [x0, x2, ..., x1, x3, ...] that :func:`apply_rope` rotates.

@@ -20,8 +20,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from dayzero.model import hyper
 from dayzero.model.cache import CacheView, NewKV, NewLatent
-from dayzero.model.config import AttentionKind, ModelConfig
+from dayzero.model.compressed import CompressedFrame, compressed_block
+from dayzero.model.compressed_cache import NewCompressed
+from dayzero.model.config import AttentionKind, CompressKind, ModelConfig
 from dayzero.model.mla import attend_latent, mla_block
 from dayzero.model.mla_parallel import attend_latent_split
 from dayzero.model.moe import moe, swiglu
@@ -33,7 +36,7 @@ from dayzero.kernels.tiles import masked_softmax
 from dayzero.model.kernel_attention import HeadSplit, KernelLayer, NewTokensLayer, PagedKernelCache
 from dayzero.model.quant import as_stored, dequantized
 from dayzero.model.rope import apply_rope, rope_cos_sin
-from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
+from dayzero.model.weights import AttentionWeights, HyperWeights, LayerWeights, MLPWeights, MoEWeights, Weights
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:
@@ -162,6 +165,20 @@ def attention_block(
     return out, new
 
 
+def _enter(hc: HyperWeights | None, norm: jax.Array, config: ModelConfig, x: jax.Array):
+    """A block's normed input from the residual ``x``, and what :func:`_leave` needs: with
+    hyper-connections, ``x`` is the streams [B,T,n,D] and their mix gives the input."""
+    if hc is None:
+        return rms_norm(x, norm, config.rms_norm_eps), None
+    block_in, post, comb = hyper.mix(hc, config.hyper, x, config.rms_norm_eps)
+    return rms_norm(block_in, norm, config.rms_norm_eps), (post, comb)
+
+
+def _leave(x: jax.Array, out: jax.Array, mixing) -> jax.Array:
+    """The residual after a block: ``x + out``, or the streams merged with ``out``."""
+    return x + out if mixing is None else hyper.merge(x, out, *mixing)
+
+
 def decoder_layer(
     w: LayerWeights,
     config: ModelConfig,
@@ -172,6 +189,8 @@ def decoder_layer(
     parallel: Parallel | None = None,
     keys_token_major: bool = False,
     picks: tuple[jax.Array, jax.Array] | None = None,
+    tokens: jax.Array | None = None,
+    frame: CompressedFrame | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, jax.Array] | None]:
     """Pre-norm residual block: attention then SwiGLU MLP or MoE.
 
@@ -183,23 +202,30 @@ def decoder_layer(
     ``dayzero.model.parallel``).
     ``picks``: sparse attention's picks carried from layer to layer (``mla.mla_block``), returned
     updated as the third value.
+    ``tokens`` [B,T]: the token ids (hash-routed MoE layers choose experts by them).
+    ``frame``: DeepSeek-V4's attention needs the layer's kind and each row's start and real
+    tokens (it builds its own masks); with hyper-connections (``config.hyper``) ``x`` is the
+    residual streams [B,T,n,D].
     """
-    h = rms_norm(x, w.attn_norm, config.rms_norm_eps)
+    h, mixing = _enter(w.attn_hc, w.attn_norm, config, x)
     if config.attention is AttentionKind.MLA:
         latent_attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
         attn_out, new, picks = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, latent_attend, picks)
+    elif config.attention is AttentionKind.COMPRESSED:
+        attn_out, new = compressed_block(w.attn, config, frame.kind, h, cos_sin, layer_cache, frame.starts,
+                                         frame.num_new)
     else:
         attn_out, new = attention_block(w.attn, config, h, cos_sin, layer_cache, masks, keys_token_major)
-    x = x + attn_out
-    h = rms_norm(x, w.mlp_norm, config.rms_norm_eps)
+    x = _leave(x, attn_out, mixing)
+    h, mixing = _enter(w.mlp_hc, w.mlp_norm, config, x)
     # The weight tree's type per layer follows config.moe.layers (see weights._layer_specs).
     if not isinstance(w.mlp, MoEWeights):
-        x = x + mlp(w.mlp, h)
+        out = mlp(w.mlp, h)
     elif parallel is None or parallel.size("experts") == 1:
-        x = x + moe(w.mlp, config.moe, h)
+        out = moe(w.mlp, config.moe, h, tokens=tokens)
     else:
-        x = x + moe_expert_parallel(w.mlp, config.moe, h, parallel)
-    return x, new, picks
+        out = moe_expert_parallel(w.mlp, config.moe, h, parallel, tokens=tokens)
+    return _leave(x, out, mixing), new, picks
 
 
 def output_logits(weights: Weights, x: jax.Array) -> jax.Array:
@@ -250,7 +276,12 @@ def forward(
         window: attention_masks(starts, num_new, T, max_len, window)
         for window in set(config.sliding_windows)
     }
+    if config.compressed is not None:  # sliding layers rotate with the main RoPE, CSA/HCA ones with their own
+        compress_cos_sin = rope_cos_sin(config.compressed.compress_rope, config.head_dim,
+                                        config.max_position_embeddings, positions, rope_len)
     x = jnp.take(weights.embed, tokens, axis=0)
+    if config.hyper is not None:
+        x = hyper.expand(x, config.hyper)
     token_major = cache is not None and cache.keys_token_major
     new = []  # per layer, what it adds to the cache
     picks = None  # sparse attention's last picks, which GLM-5's shared layers reuse
@@ -262,11 +293,18 @@ def forward(
             layer_cache = NewTokensLayer(num_new, kernels, config.sliding_windows[i], HeadSplit.of(parallel))
         else:
             layer_cache = None
-        x, added, picks = decoder_layer(layer, config, x, cos_sin, layer_cache, layer_masks, parallel, token_major,
-                                        picks)
+        layer_cos_sin, frame = cos_sin, None
+        if config.compressed is not None:
+            kind = config.compressed.kinds[i]
+            layer_cos_sin = cos_sin if kind is CompressKind.SLIDING else compress_cos_sin
+            frame = CompressedFrame(kind, starts, num_new)
+        x, added, picks = decoder_layer(layer, config, x, layer_cos_sin, layer_cache, layer_masks, parallel,
+                                        token_major, picks, tokens, frame)
         new.append(added)
         if hidden_out is not None:
             hidden_out.append(x)
+    if config.hyper is not None:
+        x = hyper.head(weights.hc_head, config.hyper, x, config.rms_norm_eps)
     x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
     if not all_logits:
         last = jnp.clip(num_new - 1, 0, T - 1)
@@ -276,6 +314,8 @@ def forward(
         logits = logits[:, 0, :]
     if isinstance(cache, PagedKernelCache):  # the blocks wrote the pages themselves
         return logits, cache.written(new, rope_len)
+    if config.compressed is not None:
+        return logits, NewCompressed(layers=tuple(new), num_new=num_new, rope_len=rope_len)
     if config.mla is not None:
         keys = None if config.dsa is None else tuple(n[1] for n in new)
         return logits, NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len, index_keys=keys)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dayzero.model.config import ModelConfig
+from dayzero.model.config import CompressKind, ModelConfig
 from dayzero.model.quant import (
     INT4_GROUP, MXFP4_BLOCK, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant, quantize, reblocked,
     scale_shape,
@@ -115,6 +115,61 @@ class MLAWeights:
 
 
 @struct.dataclass
+class CompressorWeights:
+    """One DeepSeek-V4 compressor at width C (H for the attention's, J for the indexer's), m = 2 for
+    CSA's overlapping windows (two series of C features per token) and 1 for HCA's.
+
+    ``kv``/``gate`` [D, m*C] project each token; ``position_bias`` [r, m*C] (fp32) is added to the
+    gate by slot in the window; an entry is the per-channel softmax(gate)-weighted sum of the
+    window's kv rows, then RMSNorm'd with ``norm`` [C]."""
+
+    kv: Any
+    gate: Any
+    position_bias: Any
+    norm: Any
+
+
+@struct.dataclass
+class CompressedIndexerWeights:
+    """DeepSeek-V4's CSA indexer: queries ``q_b`` [Q,I,J] from the q LoRA latent, per-head weights
+    ``head_weights`` [D,I], and keys from its own compressor at width J."""
+
+    q_b: Any
+    head_weights: Any
+    compressor: CompressorWeights
+
+
+@struct.dataclass
+class CompressedAttnWeights:
+    """DeepSeek-V4 attention (see ``CompressedConfig``): ``q_a`` [D,Q] -> ``q_a_norm`` [Q] -> ``q_b``
+    [Q,N,H]; one key=value row ``kv`` [D,H] -> ``kv_norm`` [H]; the grouped output ``o_a``
+    [g, N*H/g, d_g] then ``o_b`` [g*d_g, D]; ``sinks`` [N] fp32. ``compressor`` on CSA/HCA layers,
+    ``indexer`` on CSA layers only."""
+
+    q_a: Any
+    q_a_norm: Any
+    q_b: Any
+    kv: Any
+    kv_norm: Any
+    o_a: Any
+    o_b: Any
+    sinks: Any
+    compressor: CompressorWeights | None = None
+    indexer: CompressedIndexerWeights | None = None
+
+
+@struct.dataclass
+class HyperWeights:
+    """One hyper-connection mix (``dayzero.model.hyper``), fp32, n = hc_mult streams of D: ``fn``
+    [(2+n)n, nD] (a block's pre/post/comb) or [n, nD] (the final head's collapse), ``base`` of
+    fn's first size, ``scale`` [3] (pre, post, comb) or [1]."""
+
+    fn: Any
+    base: Any
+    scale: Any
+
+
+@struct.dataclass
 class MLPWeights:
     """SwiGLU MLP: gate/up [D,F], down [F,D]."""
 
@@ -137,16 +192,20 @@ class MoEWeights:
     gate_bias: Any = None  # [E,F] (gpt-oss's expert biases, with up_bias and down_bias)
     up_bias: Any = None  # [E,F]
     down_bias: Any = None  # [E,D]
+    tid2eid: Any = None  # [V,C] int32: each token id's experts on a hash-routed layer (DeepSeek-V4)
 
 
 @struct.dataclass
 class LayerWeights:
-    """One decoder layer: pre-norm attention then a pre-norm dense MLP or MoE block."""
+    """One decoder layer: pre-norm attention then a pre-norm dense MLP or MoE block; with
+    hyper-connections, the mixes around each (``attn_hc``, ``mlp_hc``)."""
 
     attn_norm: Any
-    attn: AttentionWeights | MLAWeights
+    attn: AttentionWeights | MLAWeights | CompressedAttnWeights
     mlp_norm: Any
     mlp: MLPWeights | MoEWeights
+    attn_hc: HyperWeights | None = None
+    mlp_hc: HyperWeights | None = None
 
 
 @struct.dataclass
@@ -157,6 +216,7 @@ class Weights:
     layers: tuple[LayerWeights, ...]
     final_norm: Any  # [D]
     lm_head: Any = None  # [D,V]
+    hc_head: HyperWeights | None = None  # hyper-connections: the streams' collapse before final_norm
 
 
 IN0 = (0,)  # a projection whose first axis is its input: one scale per the other axes
@@ -223,6 +283,60 @@ def _indexer_specs(c: ModelConfig) -> IndexerWeights:
     )
 
 
+def _compressor_specs(c: ModelConfig, width: int, overlap: bool, ratio: int) -> CompressorWeights:
+    D, m = c.hidden_size, 2 if overlap else 1
+    return CompressorWeights(
+        # Not quantized (in_axes None): the published checkpoints keep these in bf16 too.
+        kv=ParamSpec((D, m * width), ("embed", None)),
+        gate=ParamSpec((D, m * width), ("embed", None)),
+        position_bias=ParamSpec((ratio, m * width), (None, None), dtype=jnp.dtype(jnp.float32)),
+        norm=ParamSpec((width,), (None,), Init.ONES),
+    )
+
+
+def _compressed_specs(c: ModelConfig, i: int) -> CompressedAttnWeights:
+    cc, D, N, H = c.compressed, c.hidden_size, c.num_heads, c.head_dim
+    Q, g, dg = cc.q_lora_rank, cc.o_groups, cc.o_lora_rank
+    kind, ratio = cc.kinds[i], cc.ratio(i)
+    csa = kind is CompressKind.CSA
+    indexer = None
+    if csa:  # index heads replicated, as DeepSeek-V3.2's: a query's top-k needs all of them
+        I, J = cc.index_heads, cc.index_head_dim
+        indexer = CompressedIndexerWeights(
+            q_b=ParamSpec((Q, I, J), (None, None, None)),
+            head_weights=ParamSpec((D, I), ("embed", None)),
+            compressor=_compressor_specs(c, J, True, ratio),
+        )
+    return CompressedAttnWeights(
+        q_a=ParamSpec((D, Q), ("embed", None), in_axes=IN0),
+        q_a_norm=ParamSpec((Q,), (None,), Init.ONES),
+        q_b=ParamSpec((Q, N, H), (None, "q_heads", "head_dim"), in_axes=IN0),
+        # The one key=value head is replicated (as MQA's single kv head).
+        kv=ParamSpec((D, H), ("embed", None), in_axes=IN0),
+        kv_norm=ParamSpec((H,), (None,), Init.ONES),
+        # Groups are whole sets of heads, so they split with the heads.
+        o_a=ParamSpec((g, N * H // g, dg), ("q_heads", None, None), in_axes=(1,)),
+        o_b=ParamSpec((g * dg, D), ("q_heads", "embed"), in_axes=IN0),
+        sinks=ParamSpec((N,), ("q_heads",), dtype=jnp.dtype(jnp.float32)),
+        compressor=None if ratio is None else _compressor_specs(c, H, csa, ratio),
+        indexer=indexer,
+    )
+
+
+def _hyper_specs(c: ModelConfig, outputs: int, scales: int) -> HyperWeights:
+    n, f32 = c.hyper.mult, jnp.dtype(jnp.float32)
+    # fp32 whatever the model's dtype, as HF keeps them: the Sinkhorn iterations need it.
+    return HyperWeights(
+        fn=ParamSpec((outputs, n * c.hidden_size), (None, None), dtype=f32),
+        base=ParamSpec((outputs,), (None,), Init.ZEROS, dtype=f32),
+        scale=ParamSpec((scales,), (None,), Init.ONES, dtype=f32),
+    )
+
+
+def _block_hyper_specs(c: ModelConfig) -> HyperWeights | None:
+    return None if c.hyper is None else _hyper_specs(c, (2 + c.hyper.mult) * c.hyper.mult, 3)
+
+
 def _mlp_specs(c: ModelConfig, F: int) -> MLPWeights:
     D = c.hidden_size
     return MLPWeights(
@@ -232,31 +346,43 @@ def _mlp_specs(c: ModelConfig, F: int) -> MLPWeights:
     )
 
 
-def _moe_specs(c: ModelConfig) -> MoEWeights:
+def _moe_specs(c: ModelConfig, i: int) -> MoEWeights:
     D, E, F = c.hidden_size, c.moe.num_experts, c.moe.intermediate_size
     shared, biased = c.moe.shared_experts, c.moe.expert_bias
+    hashed = bool(c.moe.hash_layers) and c.moe.hash_layers[i]
     return MoEWeights(
         # The router's expert axis is left unsharded: every token needs all E scores for its top-k.
         router=ParamSpec((D, E), ("embed", None)),
         gate=ParamSpec((E, D, F), ("experts", "embed", "ffw"), in_axes=(1,)),
         up=ParamSpec((E, D, F), ("experts", "embed", "ffw"), in_axes=(1,)),
         down=ParamSpec((E, F, D), ("experts", "ffw", "embed"), in_axes=(1,)),
-        score_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.score_bias else None,
+        # A hash-routed layer chooses by table, so it has no choice bias.
+        score_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.score_bias and not hashed else None,
         shared=_mlp_specs(c, shared * F) if shared else None,
         router_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.router_bias else None,
         gate_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
         up_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
         down_bias=ParamSpec((E, D), ("experts", "embed"), Init.ZEROS) if biased else None,
+        tid2eid=ParamSpec((c.vocab_size, c.moe.experts_per_token), ("vocab", None), Init.ZEROS,
+                          jnp.dtype(jnp.int32)) if hashed else None,
     )
 
 
 def _layer_specs(c: ModelConfig, i: int) -> LayerWeights:
     D = c.hidden_size
+    if c.mla is not None:
+        attn = _mla_specs(c, i)
+    elif c.compressed is not None:
+        attn = _compressed_specs(c, i)
+    else:
+        attn = _attention_specs(c)
     return LayerWeights(
         attn_norm=ParamSpec((D,), ("embed",), Init.ONES),
-        attn=_mla_specs(c, i) if c.mla is not None else _attention_specs(c),
+        attn=attn,
         mlp_norm=ParamSpec((D,), ("embed",), Init.ONES),
-        mlp=_moe_specs(c) if c.is_moe_layer(i) else _mlp_specs(c, c.intermediate_size),
+        mlp=_moe_specs(c, i) if c.is_moe_layer(i) else _mlp_specs(c, c.intermediate_size),
+        attn_hc=_block_hyper_specs(c),
+        mlp_hc=_block_hyper_specs(c),
     )
 
 
@@ -269,6 +395,7 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
         layers=tuple(_layer_specs(config, i) for i in range(config.num_layers)),
         final_norm=ParamSpec((D,), ("embed",), Init.ONES),
         lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
+        hc_head=None if config.hyper is None else _hyper_specs(config, config.hyper.mult, 1),
     )
     if quant is None or quant.weights is WeightQuant.NONE:
         return specs

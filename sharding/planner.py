@@ -71,12 +71,14 @@ class Op(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One array (or ``count`` identical ones) as declared: global shape and logical axes."""
+    """One array (or ``count`` identical ones) as declared: global shape and logical axes.
+    ``itemsize``: bytes per element as the device holds it, 0.5 for a 4-bit type (XLA packs two
+    to a byte; the footprint says why), so a piece's bytes are rounded up per array."""
 
     name: str
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
-    itemsize: int
+    itemsize: float
     component: Component
     count: int = 1
 
@@ -228,8 +230,8 @@ def local_shape(t: Tensor | Collective, rules: R.Rules, axes: Mapping[str, int])
 
 
 def device_bytes(t: Tensor, rules: R.Rules, axes: Mapping[str, int]) -> int:
-    """Bytes of ``t`` (all ``count`` copies) on one device."""
-    return t.count * math.prod(local_shape(t, rules, axes)) * t.itemsize
+    """Bytes of ``t`` (all ``count`` copies) on one device (a 4-bit piece rounded up to whole bytes)."""
+    return t.count * math.ceil(math.prod(local_shape(t, rules, axes)) * t.itemsize)
 
 
 def logical_ways(rules: R.Rules, axes: Mapping[str, int]) -> dict[str, int]:

@@ -106,7 +106,7 @@ def logits_and_router_gap(config, weights, tokens) -> tuple[np.ndarray, float]:
     def run(w, t):
         inputs = []  # each MoE block's (router, selection bias, hidden states), filled while tracing
         real_moe = transformer.moe
-        transformer.moe = lambda mw, c, h: inputs.append((mw.router, mw.score_bias, h)) or real_moe(mw, c, h)
+        transformer.moe = lambda mw, c, h, **kw: inputs.append((mw.router, mw.score_bias, h)) or real_moe(mw, c, h, **kw)
         try:
             logits = forward(w, config, t, all_logits=True)[0]
         finally:
@@ -417,7 +417,7 @@ def gpt_oss_logits_and_gap(config, weights, tokens) -> tuple[np.ndarray, float]:
     def run(w, t):
         inputs = []  # each MoE block's (router, router bias, hidden states), filled while tracing
         real_moe = transformer.moe
-        transformer.moe = lambda mw, c, h: inputs.append((mw.router, mw.router_bias, h)) or real_moe(mw, c, h)
+        transformer.moe = lambda mw, c, h, **kw: inputs.append((mw.router, mw.router_bias, h)) or real_moe(mw, c, h, **kw)
         try:
             logits = forward(w, config, t, all_logits=True)[0]
         finally:

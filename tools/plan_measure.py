@@ -7,10 +7,14 @@ before the MoE ones, head and expert counts that still divide the meshes), then 
 the engine builds it: random float weights, quantized as ``Engine.load(quantize=...)`` quantizes
 at load, handed to ``Engine(...)``, which resolves the run, re-blocks block scales for the mesh
 and places every leaf; the KV is the page pools a ``ServingEngine`` over that engine allocates for
-the rows and positions (the deployment's cache; each data replica's pool on its devices).
-Per-device bytes are read back from the placed arrays
-(``shard.data.nbytes`` of each addressable shard), per component, and compared with
-``planner.evaluate`` on the same reduced config, mesh and options: they must be equal.
+the rows and positions (the deployment's cache; each data replica's pool on its devices), or for
+DeepSeek-V4 (tiny configs, not :func:`reduced`) the cache ``Engine.generate`` allocates.
+Per-device bytes are read back from the placed arrays, per component, and compared with
+``planner.evaluate`` on the same reduced config, mesh and options: they must be equal. A shard's
+bytes are its elements times what the device really holds per element of its dtype, measured once
+per dtype (:func:`held_bytes_per_element`: the device's ``memory_stats`` where it has them, else
+the process's resident memory), not ``nbytes``: ml_dtypes' itemsize says 1 for the 4-bit types,
+which XLA packs two to a byte, so ``nbytes`` would agree with a planner making the same mistake.
 
 :func:`run_recommendation` closes the loop: the mesh ``plan`` recommends is loaded and runs one
 prefill chunk and one decode step.
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -138,8 +143,8 @@ def build_engine(config, axes: dict[str, int], quantize: str = "none", kv_cache:
 
 
 def random_weights(specs, seed: int, dtype: str, scale: float = 0.2):
-    """Float weights for a spec tree as host (numpy) arrays: N(0, ``scale``) matrices, ones and
-    zeros where the spec says. Drawn with numpy: ``init_weights`` draws with jax, which compiles
+    """Weights for a spec tree as host (numpy) arrays: N(0, ``scale``) matrices, ones and zeros
+    where the spec says, in ``dtype`` or the leaf's fixed dtype. Drawn with numpy: ``init_weights`` draws with jax, which compiles
     a sampler per leaf shape (~0.5 s each here, 12 s for a reduced DeepSeek-V3)."""
     import jax.numpy as jnp
     import numpy as np
@@ -150,11 +155,12 @@ def random_weights(specs, seed: int, dtype: str, scale: float = 0.2):
     dtype = jnp.dtype(dtype)
 
     def make(s):
+        kind = jnp.dtype(s.dtype or dtype)  # a fixed dtype (fp32 sinks and gates, int32 tables) as declared
         if s.init is Init.ONES:
-            return np.ones(s.shape, dtype)
+            return np.ones(s.shape, kind)
         if s.init is Init.ZEROS:
-            return np.zeros(s.shape, dtype)
-        return (scale * rng.standard_normal(s.shape, np.float32)).astype(dtype)
+            return np.zeros(s.shape, kind)
+        return (scale * rng.standard_normal(s.shape, np.float32)).astype(kind)
 
     return map_specs(make, specs)
 
@@ -212,26 +218,94 @@ def _components(tree: Any, plain: str, scales: str) -> list[tuple[str, str, Any]
 HOST_INPUTS = ("block_tables", "lengths", "rope_len")
 
 
+def contiguous_cache(engine, batch: int, context: int):
+    """The contiguous cache ``Engine.generate`` allocates for ``batch`` rows of ``context``
+    positions (``init_cache`` with the engine's own cache shardings, as ``_prefill_chunks``
+    makes it): DeepSeek-V4's window rings, entries and compressor states, whose serving slot
+    cache has the same rows (``footprint_v4``)."""
+    from dayzero.model.cache import init_cache
+
+    return init_cache(engine.config, batch, context, engine.weights.embed.dtype, engine.kv_cache,
+                      engine._cache_shardings(batch, context))
+
+
+def cache_trees(engine, batch: int, context: int, page_size: int = 16) -> list:
+    """The KV the planner sizes, as the engine allocates it: the serving engine's page pools
+    (:func:`serving_pools`), or for DeepSeek-V4 (no pages) its cache rows (:func:`contiguous_cache`)."""
+    if engine.config.compressed is not None:
+        return [contiguous_cache(engine, batch, context)]
+    return serving_pools(engine, batch, context, page_size)
+
+
+# Elements allocated to measure one dtype's held size: 128 MiB at its numpy itemsize, above glibc's
+# largest mmap threshold (32 MiB), so the allocation is fresh pages that RSS counts, not reused heap.
+_MEASURED_BYTES = 128 << 20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@functools.lru_cache(maxsize=None)
+def held_bytes_per_element(dtype_name: str) -> float:
+    """Bytes per element a device of this process really holds for an array of ``dtype_name``,
+    measured, not read off the dtype: an array of ``_MEASURED_BYTES / itemsize`` elements is
+    made on the first device by a program compiled beforehand, and the growth of the device's
+    ``memory_stats()["bytes_in_use"]`` (GPU, TPU) or, where it has none (XLA:CPU), of the
+    process's resident memory, is divided by the elements (to the nearest eighth of a byte).
+    XLA:CPU holds 4-bit types at 0.5 (ml_dtypes' itemsize and ``nbytes`` say 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype_name)
+    elements = _MEASURED_BYTES // dtype.itemsize
+    device = jax.devices()[0]
+    make = jax.jit(lambda: jnp.ones((elements,), dtype)).lower().compile()
+
+    def used() -> int:
+        stats = device.memory_stats()
+        return int(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else _rss()
+
+    before = used()
+    x = make()
+    x.block_until_ready()
+    grown = used() - before
+    del x
+    return round(grown / elements * 8) / 8
+
+
+def held_nbytes(x) -> int:
+    """Bytes a device holds for array (or shard) ``x``: its elements times the measured bytes per
+    element of its dtype (:func:`held_bytes_per_element`), rounded up to a byte."""
+    return math.ceil(x.size * held_bytes_per_element(x.dtype.name))
+
+
 def placed_bytes(engine, batch: int, context: int, page_size: int = 16) -> dict:
-    """Per-device bytes of the engine's placed weights and of the serving engine's page pools for
-    ``batch`` rows of ``context`` positions (:func:`serving_pools`; its block tables and lengths
-    left out), per component (``weights``, ``weight_scales``, ``kv_cache``, ``kv_scales``),
-    summed over each array's addressable shards (``shard.data.nbytes``) device by device:
-    ``{"max": {component: the largest device's bytes}, "uneven": [components whose bytes differ
-    between devices], "groups": {(component, global shape, itemsize): bytes on the device
-    holding the most}}`` (groups: for locating a difference)."""
+    """Per-device bytes of the engine's placed weights and of the KV it allocates for ``batch``
+    rows of ``context`` positions (:func:`cache_trees`: the serving page pools, their block
+    tables and lengths left out; DeepSeek-V4's cache rows), per component (``weights``,
+    ``weight_scales``, ``kv_cache``, ``kv_scales``), summed over each array's addressable
+    shards device by device, each shard at the bytes the device holds (:func:`held_nbytes`:
+    its elements times the measured bytes per element of its dtype, not ``nbytes``, which says
+    1 for a 4-bit element held in half a byte): ``{"max": {component: the largest device's
+    bytes}, "uneven": [components whose bytes differ between devices], "groups": {(component,
+    global shape, bytes per element): bytes on the device holding the most}}`` (groups: for
+    locating a difference), and ``"per_element"``: the measured bytes per element of each dtype."""
     arrays = _components(engine.weights, "weights", "weight_scales")
-    for pool in serving_pools(engine, batch, context, page_size):
+    for pool in cache_trees(engine, batch, context, page_size):
         arrays += [a for a in _components(pool, "kv_cache", "kv_scales") if a[0].split("/")[0] not in HOST_INPUTS]
     per_device: dict[str, dict[int, int]] = {c: defaultdict(int) for c in COMPONENTS}
     groups: dict[tuple, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for _, component, x in arrays:
         for shard in x.addressable_shards:
-            per_device[component][shard.device.id] += shard.data.nbytes
-            groups[(component, tuple(x.shape), x.dtype.itemsize)][shard.device.id] += shard.data.nbytes
+            held = held_nbytes(shard.data)
+            per_device[component][shard.device.id] += held
+            groups[(component, tuple(x.shape), held_bytes_per_element(x.dtype.name))][shard.device.id] += held
     return {"max": {c: max(per_device[c].values(), default=0) for c in COMPONENTS},
             "uneven": [c for c in COMPONENTS if len(set(per_device[c].values())) > 1],
-            "groups": {key: max(sizes.values()) for key, sizes in groups.items()}}
+            "groups": {key: max(sizes.values()) for key, sizes in groups.items()},
+            "per_element": {x.dtype.name: held_bytes_per_element(x.dtype.name) for _, _, x in arrays}}
 
 
 COMPONENTS = ("weights", "weight_scales", "kv_cache", "kv_scales")
@@ -261,7 +335,10 @@ def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "non
     row, with the arrays that differ (``differences``: per component, global shape and element
     size, the placed and the planned bytes on one device; the planner merges identical leaves,
     so arrays are matched by shape, not by name). The KV placed is the serving engine's page
-    pools, as deployed (not ``Engine.generate``'s contiguous cache)."""
+    pools, as deployed (not ``Engine.generate``'s contiguous cache); for DeepSeek-V4, whose
+    serving slot cache holds rows of the contiguous cache's layout, ``Engine``'s contiguous cache
+    (its ``batch`` split over ``data`` where the planner counts a replica's rows whole: the same
+    bytes per device, under other global shapes in ``differences``)."""
     from dayzero.sharding.planner import Workload
 
     engine = build_engine(config, axes, quantize, kv_cache, dtype, weights=weights)
@@ -279,7 +356,7 @@ def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "non
         "model": name, "mesh": {a: n for a, n in axes.items() if n > 1}, "quantize": quantize, "kv_cache": kv_cache,
         "dtype": dtype, "batch": batch, "context": context, "components": rows,
         "equal": all(r["placed"] == r["planner"] for r in rows.values()), "differences": differences,
-        "uneven": placed["uneven"], "refused": planned["refused"],
+        "uneven": placed["uneven"], "refused": planned["refused"], "per_element": placed["per_element"],
     }
 
 
