@@ -204,8 +204,10 @@ def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
     present = [(name, r) for name, r in pairs if name in names]
     missing = [name for name, _ in pairs if name not in names]
     unexpected = sorted(n for n in names - wanted if not name_map.is_ignored(n))
-    # Deliberately not converted (e.g. the MTP modules of num_nextn_predict_layers): said, not hidden.
+    # Deliberately not converted (e.g. DeepSeek-V3's MTP modules): said, not hidden. DeepSeek-V4's
+    # are converted and kept, so they count among the expected tensors.
     ignored = sorted(n for n in names - wanted if name_map.is_ignored(n))
+    mtp = config.mtp_layers if any(r.target.startswith("mtp/") for _, r in pairs) else 0
     wrong_shape = [
         f"tensor '{name}' has shape {list(reader.shape(name))}, expected {list(r.source_shape)}"
         for name, r in present if tuple(reader.shape(name)) != r.source_shape
@@ -213,7 +215,8 @@ def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
     fixed = fixed_dtypes(config)
     not_float = [f"tensor '{name}' has dtype {reader.dtype(name)}, which conversion does not accept"
                  for name, r in present if not _dtype_accepted(np.dtype(reader.dtype(name)), fixed.get(r.target))]
-    info = {"config": f"{config.family.value}, {config.num_layers} layers", "expected": len(wanted),
+    label = f"{config.family.value}, {config.num_layers} layers" + (f" + {mtp} MTP kept" if mtp else "")
+    info = {"config": label, "expected": len(wanted),
             "present": len(names), "missing": missing, "unexpected": unexpected, "ignored": ignored,
             "wrong_shape": wrong_shape, "not_float": not_float}
     problems = ([f"missing tensor '{n}'" for n in missing] + [f"unexpected tensor '{n}'" for n in unexpected]

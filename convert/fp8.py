@@ -4,7 +4,10 @@ DeepSeek-V3 and Kimi-K2 publish most linear weights as ``float8_e4m3fn`` with a 
 ``<name>_scale_inv`` beside each ``<name>`` (``weight`` -> ``weight_scale_inv``): one scale per
 block of [block_out, block_in] elements (128 x 128), shape [ceil(out/128), ceil(in/128)]; the
 last blocks of a dimension that is not a multiple of 128 are partial. The real weight is
-``w * scale_inv`` of its block.
+``w * scale_inv`` of its block. DeepSeek-V4 names the scale of ``<module>.weight``
+``<module>.scale`` instead (:data:`V4_NAMES`) and stores it as ``float8_e8m0fnu`` (ue8m0, a bare
+power of two 2^(byte - 127), which float32 holds exactly); its FP4 experts share that naming and
+are read by ``dayzero.convert.mxfp4.RowFp4Reader``, so only ``float8_e4m3fn`` weights pair here.
 
 :class:`Fp8DequantReader` wraps a source reader so that such a weight reads as the dequantized
 float32 tensor and its scale disappears from the name space: the name maps, the streaming loop
@@ -26,6 +29,9 @@ from dayzero.model.quant import ValueFormat
 
 SCALE_SUFFIX = "_scale_inv"
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+# (weight suffix, scale suffix): weight <base><w> has its block scales in <base><s>.
+V3_NAMES = ("", SCALE_SUFFIX)
+V4_NAMES = (".weight", ".scale")
 
 
 def dequantize_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
@@ -52,24 +58,37 @@ class Fp8DequantReader:
     """A reader that presents every FP8 weight with a ``_scale_inv`` as its float32 dequantization.
 
     Scale tensors are consumed here and not listed by ``keys()``; an FP8 tensor without a scale,
-    or a scale without its weight, is an error (the checkpoint is incomplete).
+    or a scale without its weight, is an error (the checkpoint is incomplete). ``naming`` says
+    where a weight's scale is: :data:`V3_NAMES` (``_scale_inv``) or :data:`V4_NAMES` (``.scale``,
+    paired with ``float8_e4m3fn`` weights only; any other ``.scale`` passes through).
     """
 
     stored_as = ValueFormat.FP8  # the format ``get_scaled`` gives (see convert.quantize.native_leaf)
 
-    def __init__(self, inner, block: tuple[int, int], where: str = ""):
+    def __init__(self, inner, block: tuple[int, int], where: str = "", naming: tuple[str, str] = V3_NAMES):
         self.inner = inner
         self.block = block
         self.files: list[Path] = inner.files
         names = set(inner.keys())
-        self._scale_of = {n[: -len(SCALE_SUFFIX)]: n for n in names if n.endswith(SCALE_SUFFIX)}
-        for weight, scale in self._scale_of.items():
-            if weight not in names:
-                raise ConvertError(f"{where} has the FP8 scale '{scale}' but no tensor '{weight}'; it is incomplete")
+        self._scale_of = self._pairs(names, naming, where)
         unscaled = sorted(n for n in names if np.dtype(inner.dtype(n)) == FP8 and n not in self._scale_of)
         if unscaled:
-            raise ConvertError(f"{where} has the FP8 tensor '{unscaled[0]}' without its '{unscaled[0]}{SCALE_SUFFIX}'; "
+            base = unscaled[0][: len(unscaled[0]) - len(naming[0])]
+            raise ConvertError(f"{where} has the FP8 tensor '{unscaled[0]}' without its '{base}{naming[1]}'; "
                                "it cannot be dequantized")
+
+    def _pairs(self, names: set[str], naming: tuple[str, str], where: str) -> dict[str, str]:
+        """``{weight: its scale}``. V3's naming pairs every ``_scale_inv``; V4's ``.scale`` also ends
+        other tensors' names (its FP4 experts'), so there only ``float8_e4m3fn`` weights pair."""
+        w, s = naming
+        pairs = {}
+        for scale in sorted(n for n in names if n.endswith(s)):
+            weight = scale[: -len(s)] + w
+            if naming is V3_NAMES and weight not in names:
+                raise ConvertError(f"{where} has the FP8 scale '{scale}' but no tensor '{weight}'; it is incomplete")
+            if naming is V3_NAMES or (weight in names and np.dtype(self.inner.dtype(weight)) == FP8):
+                pairs[weight] = scale
+        return pairs
 
     def keys(self) -> list[str]:
         """Tensor names, without the scales."""

@@ -7,8 +7,9 @@ One recipe set per spelling of the same tensors, all with the same layouts:
   except ``model.embed_tokens``, ``model.norm``, ``head``, ``model.hc_head.hc_*`` and the
   attention's kv norm written ``attn.norm`` (the reverse of HF's ``.norm.`` -> ``.kv_norm.``);
 - DeepSeek's upstream names (``embed``, ``layers.{i}.attn.kv_norm``, ``hc_head_fn`` ...), as
-  the published checkpoints spell them (those are FP8 with FP4 experts, refused by
-  :func:`refusal` before any tensor is read; a float copy in these names converts);
+  the published checkpoints spell them, in float or in the published FP8 / FP4 format (the
+  readers of ``dayzero.convert.sources`` present each FP8 or FP4 weight under its own name and
+  shape, so these recipes serve both);
 - HF's in-memory names (``save_pretrained(save_original_format=False)``): ``self_attn.q_a_proj``,
   ``self_attn.compressor.indexer.scorer.weights_proj``, experts fused as ``gate_up_proj``.
 
@@ -20,22 +21,25 @@ position biases (``ape``), norms and the hyper-connection tensors are as stored;
 w3 / w2 stack into gate / up [E,D,F] and down [E,F,D] (HF's fused ``gate_up_proj`` [E,2F,D] holds
 gate rows first); ``tid2eid`` [V,C] is the hash layers' table (the converter stores it as int32).
 
-The multi-token-prediction modules (``mtp.{k}.*``, ``num_nextn_predict_layers`` of them) are
-skipped and listed by ``dayzero check`` as ignored, as DeepSeek-V3's are (HF skips them too).
+The multi-token-prediction modules (``mtp.{k}.*``, ``num_nextn_predict_layers`` of them; HF
+skips them) are read and kept as ``mtp/{k}/...`` (``dayzero.model.weights.MTPWeights``), in
+DeepSeek's names whatever the spelling of the rest (see :func:`_mtp`); e_proj / h_proj are
+transposes, their block is mapped as a main layer is. DeepSeek-V3's MTP layers are still skipped.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from functools import partial
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from dayzero.convert import transforms as T
+from dayzero.convert.errors import ConvertError
 from dayzero.convert.name_map import _HF_IGNORED, Combine, NameMap, Recipe
 from dayzero.model.config import CompressKind, ModelConfig
+from dayzero.model.weights import mtp_block_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +186,39 @@ def _moe(c: ModelConfig, i: int, src: str, dst: str, s: _Spelling) -> list[Recip
     return r
 
 
+def _layer(c: ModelConfig, i: int, src: str, dst: str, s: _Spelling) -> list[Recipe]:
+    """Decoder layer ``i`` of ``c`` read from under ``src``: norms, attention, mixes, MoE."""
+    D, n = c.hidden_size, c.hyper.mult
+    r = [Recipe(dst + "attn_norm", src + s.attn_norm, (D,)), Recipe(dst + "mlp_norm", src + s.mlp_norm, (D,))]
+    r += _attention(c, i, src, dst, s)
+    r += _hyper(c, src + s.attn_hc, dst + "attn_hc/", (2 + n) * n, 3)
+    r += _hyper(c, src + s.mlp_hc, dst + "mlp_hc/", (2 + n) * n, 3)
+    return r + _moe(c, i, src, dst, s)
+
+
+# DeepSeek's MTP module k, under "mtp.{k}." in every spelling (HF has no MTP module, so neither
+# save_pretrained layout ever holds one; DeepSeek's names are the only ones there are). Sources:
+# DeepSeek's inference/model.py ``MTPBlock(Block)`` (e_proj, h_proj, enorm, hnorm, norm as
+# Linear(dim, dim) / RMSNorm(dim), hc_head_fn [hc, hc*dim], hc_head_base [hc], hc_head_scale [1],
+# on top of the ``Block`` of layer index n_layers: compress_ratios' trailing 0, i.e. sliding
+# attention, and a ``Gate`` with a bias since only indices below n_hash_layers hash), as vendored
+# in several third-party ports; and the published V4-Flash index as two independent write-ups
+# list it: 1,575 tensors under mtp.0. = the sliding block's 1,565 (FP8 weights with their .scale,
+# 256 experts x 3 FP4 pairs, gate.weight and gate.bias, no compressor or indexer) + e_proj and
+# h_proj (FP8, with .scale) + enorm, hnorm, norm + hc_head_fn / base / scale.
+_MTP_PREFIX = "mtp.{}."
+
+
+def _mtp(c: ModelConfig, k: int) -> list[Recipe]:
+    """MTP module ``k`` (:class:`dayzero.model.weights.MTPWeights`): its block through the very
+    recipes of a main layer, of the one-layer config :func:`~dayzero.model.weights.mtp_block_config`."""
+    D, src, dst = c.hidden_size, _MTP_PREFIX.format(k), f"mtp/{k}/"
+    r = [Recipe(dst + leaf, src + leaf + ".weight", (D,)) for leaf in ("enorm", "hnorm", "norm")]
+    r += [Recipe(dst + leaf, src + leaf + ".weight", (D, D), (T.transpose,)) for leaf in ("e_proj", "h_proj")]
+    r += _hyper(c, src + "hc_head_{}", dst + "hc_head/", c.hyper.mult, 1)
+    return r + _layer(mtp_block_config(c), 0, src, dst + "layer/", _UPSTREAM)
+
+
 def _recipes(c: ModelConfig, s: _Spelling) -> tuple[Recipe, ...]:
     D, V, n = c.hidden_size, c.vocab_size, c.hyper.mult
     r = [Recipe("embed", s.embed, (V, D)), Recipe("final_norm", s.norm, (D,))]
@@ -189,39 +226,76 @@ def _recipes(c: ModelConfig, s: _Spelling) -> tuple[Recipe, ...]:
         r.append(Recipe("lm_head", s.head, (V, D), (T.transpose,)))
     r += _hyper(c, s.hc_head, "hc_head/", n, 1)
     for i in range(c.num_layers):
-        src, dst = s.layer.format(i), f"layers/{i}/"
-        r += [Recipe(dst + "attn_norm", src + s.attn_norm, (D,)), Recipe(dst + "mlp_norm", src + s.mlp_norm, (D,))]
-        r += _attention(c, i, src, dst, s)
-        r += _hyper(c, src + s.attn_hc, dst + "attn_hc/", (2 + n) * n, 3)
-        r += _hyper(c, src + s.mlp_hc, dst + "mlp_hc/", (2 + n) * n, 3)
-        r += _moe(c, i, src, dst, s)
+        r += _layer(c, i, s.layer.format(i), f"layers/{i}/", s)
+    for k in range(c.mtp_layers):  # last, so that a missing main-model tensor is named first
+        r += _mtp(c, k)
     return tuple(r)
 
 
-_MTP = re.compile(r"^(model\.)?mtp\.(\d+)\.")
+def _is_main(r: Recipe) -> bool:
+    return not r.target.startswith("mtp/")
+
+
+@dataclasses.dataclass(frozen=True)
+class _V4NameMap(NameMap):
+    """A :class:`NameMap` that picks the spelling by the main model's tensors alone: the MTP
+    modules are spelt alike in all three, so a checkpoint lacking one is reported against its
+    own spelling, naming the missing MTP tensor."""
+
+    def layout_for(self, names: Iterable[str]) -> tuple[Recipe, ...]:
+        """The first spelling whose main-model tensors are all in ``names`` (MTP ones included in
+        what it returns); else ``save_pretrained``'s."""
+        names = set(names)
+        for recipes in (self.recipes, *self.alternatives):
+            if all(s in names for r in recipes if _is_main(r) for s in r.sources):
+                return recipes
+        return self.recipes
 
 
 def v4_name_map(c: ModelConfig) -> NameMap:
     """The map for a ``deepseek_v4`` checkpoint in any of the three spellings (module docstring),
-    ``save_pretrained``'s first (problems are reported against it when none is complete)."""
+    ``save_pretrained``'s first (problems are reported against it when none is complete). The
+    ``num_nextn_predict_layers`` MTP modules are read and kept (a missing tensor of one is an
+    error); tensors of further ``mtp.{k}.`` modules are unexpected, as any unknown tensor."""
 
     def ignored(name: str) -> bool:
-        mtp = _MTP.match(name)
-        return (bool(_HF_IGNORED.search(name)) or (bool(mtp) and int(mtp.group(2)) < c.mtp_layers)
-                or (c.tie_word_embeddings and name in (_SAVED.head, _HF.head)))
+        return bool(_HF_IGNORED.search(name)) or (c.tie_word_embeddings and name in (_SAVED.head, _HF.head))
 
-    return NameMap(_recipes(c, _SAVED), ignored, (_recipes(c, _UPSTREAM), _recipes(c, _HF)))
+    return _V4NameMap(_recipes(c, _SAVED), ignored, (_recipes(c, _UPSTREAM), _recipes(c, _HF)))
+
+
+def expert_dtype(hf_config: dict[str, Any]) -> str | None:
+    """How a ``deepseek_v4`` checkpoint stores its routed experts: "fp4" (e2m1 pairs in int8 with
+    an e8m0 scale per 32 inputs, ``dayzero.convert.mxfp4.RowFp4Reader``), "fp8", or None (as the
+    rest). V4 says it at the top level, V4.1 inside ``quantization_config``; both must agree."""
+    q = hf_config.get("quantization_config")
+    top, inner = hf_config.get("expert_dtype"), q.get("expert_dtype") if isinstance(q, dict) else None
+    if None not in (top, inner) and top != inner:
+        raise ConvertError(f"expert_dtype is {top!r} at the top level of config.json and {inner!r} in its "
+                           "quantization_config; keep one of them")
+    return inner if top is None else top
 
 
 def refusal(hf_config: dict[str, Any]) -> str | None:
-    """Why a ``deepseek_v4`` source cannot be converted yet (None: it can): the published FP8
-    checkpoints store their experts as FP4 (int8 pairs with e8m0 scales, ``expert_dtype`` fp4)
-    and their FP8 block scales as e8m0 ``.scale`` tensors, neither of which the readers decode."""
+    """Why a ``deepseek_v4`` source cannot be converted (None: it can), decided from config.json
+    before any tensor is read: experts stored other than as fp4 or fp8 (DeepSeek's inference code
+    also knows int4: uint8 pairs with float32 scales, which no reader decodes), or an MTP module
+    whose ``compress_ratios`` entry is not 0 (dayzero keeps MTP blocks of the sliding kind, as
+    published; ``dayzero.model.weights.mtp_block_config``)."""
     if hf_config.get("model_type") != "deepseek_v4":
         return None
-    q = hf_config.get("quantization_config")
-    fp4 = "fp4" in (hf_config.get("expert_dtype"), (q or {}).get("expert_dtype") if isinstance(q, dict) else None)
-    if q is None and not fp4:
-        return None
-    return ("DeepSeek-V4's published FP8 checkpoint format (FP4 experts, ue8m0 '.scale' block scales) cannot be "
-            "converted yet; convert a float (bf16 / fp32) checkpoint of the model")
+    try:
+        experts = expert_dtype(hf_config)
+    except ConvertError as e:
+        return str(e)
+    if experts not in (None, "fp4", "fp8"):
+        return (f"expert_dtype {experts!r} (DeepSeek-V4's routed experts stored in it) cannot be converted; only "
+                "fp4 (e2m1 pairs with e8m0 scales) and fp8 experts are read")
+    ratios, layers = hf_config.get("compress_ratios"), hf_config.get("num_hidden_layers")
+    mtp = hf_config.get("num_nextn_predict_layers")
+    if isinstance(ratios, list) and isinstance(layers, int) and isinstance(mtp, int):
+        for k, ratio in enumerate(ratios[layers:layers + mtp]):
+            if ratio != 0:
+                return (f"compress_ratios gives {ratio!r} for MTP module {k} (entry {layers + k}); dayzero keeps MTP "
+                        "modules with sliding attention (0) only, as DeepSeek publishes them")
+    return None

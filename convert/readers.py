@@ -48,6 +48,8 @@ class TensorReader(Protocol):
 _ST_DTYPES = {
     "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
     "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    # DeepSeek-V4's ue8m0 block scales: a bare power of two 2^(byte - 127) (255 is NaN).
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 _MAX_HEADER = 100 * 2**20  # the format's own limit; a larger length means a corrupt file
@@ -169,11 +171,22 @@ class TorchReader:
         """Shape as stored."""
         return tuple(self._state[name].shape)
 
+    def _ml_dtype(self, t: Any) -> tuple[Any, Any] | None:
+        """(same-width integer torch dtype, ml_dtypes type) for the types numpy lacks: bfloat16
+        and the float8 ones (DeepSeek's e4m3 weights and e8m0 scales), else None."""
+        torch = self._torch
+        views = {torch.bfloat16: (torch.int16, ml_dtypes.bfloat16)}
+        for name in ("float8_e4m3fn", "float8_e5m2", "float8_e8m0fnu"):
+            if hasattr(torch, name):
+                views[getattr(torch, name)] = (torch.uint8, getattr(ml_dtypes, name))
+        return views.get(t.dtype)
+
     def dtype(self, name: str) -> np.dtype:
-        """Element type (bfloat16 as ``ml_dtypes.bfloat16``)."""
+        """Element type (bfloat16 and float8 as their ``ml_dtypes`` types)."""
         t = self._state[name]
-        if t.dtype == self._torch.bfloat16:
-            return np.dtype(ml_dtypes.bfloat16)
+        view = self._ml_dtype(t)
+        if view is not None:
+            return np.dtype(view[1])
         return np.dtype(str(t.dtype).removeprefix("torch."))
 
     def file_of(self, name: str) -> Path:
@@ -181,10 +194,11 @@ class TorchReader:
         return self.path
 
     def get(self, name: str) -> np.ndarray:
-        """A numpy view of one tensor (bfloat16 reinterpreted bit for bit, no upcast)."""
+        """A numpy view of one tensor (bfloat16 and float8 reinterpreted bit for bit, no upcast)."""
         t = self._state[name]
-        if t.dtype == self._torch.bfloat16:
-            return t.view(self._torch.int16).numpy().view(ml_dtypes.bfloat16)
+        view = self._ml_dtype(t)
+        if view is not None:
+            return t.view(view[0]).numpy().view(view[1])
         return t.numpy()
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from dayzero.convert.errors import ConvertError
-from dayzero.convert.fp8 import Fp8DequantReader
+from dayzero.convert.fp8 import SCALE_SUFFIX, V3_NAMES, V4_NAMES, Fp8DequantReader
 from dayzero.convert.gguf_config import hf_config_from_gguf
-from dayzero.convert.mxfp4 import Mxfp4Reader, is_mxfp4
+from dayzero.convert.mxfp4 import Mxfp4Reader, RowFp4Reader, is_mxfp4
 from dayzero.convert.name_map import NameMap, gguf_name_map, hf_name_map
+from dayzero.convert.name_map_v4 import expert_dtype, refusal
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, ShardedReader, TorchReader, TensorReader
 from dayzero.convert.tokenizer_export import copy_hf_tokenizer, write_gguf_tokenizer
 from dayzero.model.config import ConfigError, ModelConfig
@@ -89,21 +90,43 @@ def _hf_dir_reader(directory: Path) -> tuple[str, TensorReader]:
 
 def _dequantizing(reader: TensorReader, hf_config: dict[str, Any], where: Path) -> TensorReader:
     """The reader itself, or for a block-FP8 checkpoint one that dequantizes while reading, or for
-    an MXFP4 one (gpt-oss) one that presents each blocks + scales pair as one tensor."""
+    an MXFP4 one (gpt-oss) one that presents each blocks + scales pair as one tensor.
+
+    DeepSeek-V4's published format is both: FP8 weights with e8m0 ``.scale`` blocks, read by an
+    :class:`Fp8DequantReader` in V4's naming, under a :class:`RowFp4Reader` for the FP4 experts
+    (``expert_dtype`` "fp4"). The FP4 one is outermost, so that ``dayzero.convert.quantize``
+    keeps the experts MXFP4 as stored by default, as for gpt-oss, and dequantizes the FP8 rest
+    exactly; ``--quantize none`` dequantizes everything, and ``fp8-block`` quantizes again from
+    those exact values (the FP8 weights are not kept as stored: ``native_leaf`` keeps only the
+    outermost reader's format)."""
     if is_mxfp4(hf_config, str(where)):
         return Mxfp4Reader(reader, str(where))
+    v4 = hf_config.get("model_type") == "deepseek_v4"
     try:
-        block = fp8_block_size(hf_config)
+        block = fp8_block_size(_v4_block_config(hf_config) if v4 else hf_config)
     except ConfigError as e:
         raise ConvertError(f"{where}: {e}") from None
-    return reader if block is None else Fp8DequantReader(reader, block, str(where))
+    if block is not None:
+        # A V4 checkpoint re-saved by transformers names its scales as DeepSeek-V3 does.
+        v3_named = not v4 or any(n.endswith(SCALE_SUFFIX) for n in reader.keys())
+        reader = Fp8DequantReader(reader, block, str(where), V3_NAMES if v3_named else V4_NAMES)
+    if v4 and expert_dtype(hf_config) == "fp4":
+        reader = RowFp4Reader(reader, str(where))
+    return reader
+
+
+def _v4_block_config(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """``hf_config`` without V4.1's ``expert_dtype`` inside its quantization_config (read by
+    :func:`~dayzero.convert.name_map_v4.expert_dtype`, not part of the FP8 block scheme)."""
+    q = hf_config.get("quantization_config")
+    if not isinstance(q, dict):
+        return hf_config
+    return {**hf_config, "quantization_config": {k: v for k, v in q.items() if k != "expert_dtype"}}
 
 
 def _check_convertible(hf_config: dict[str, Any], where: Path) -> None:
-    """Refuse, before any weight file is read, a format no reader decodes yet (DeepSeek-V4's
-    published FP8 / FP4 checkpoints, ``dayzero.convert.name_map_v4.refusal``)."""
-    from dayzero.convert.name_map_v4 import refusal
-
+    """Refuse, before any weight file is read, what cannot be converted (for DeepSeek-V4, experts
+    stored in a format no reader decodes, ``dayzero.convert.name_map_v4.refusal``)."""
     why = refusal(hf_config)
     if why:
         raise ConvertError(f"{where}: {why}")

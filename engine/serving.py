@@ -368,8 +368,11 @@ class ServingEngine:
 
     def _grow_decoding(self) -> list[_Request]:
         """Give each decoding request a page for its next token, preempting when the pool is
-        out; returns the decoding requests still running (with a slot cache the slot has room)."""
-        for r in sorted(self._running(), key=lambda r: r.admitted) if self.pool is not None else ():
+        out; returns the decoding requests still running (with a slot cache, all of them: a slot
+        has room for ``max_context`` tokens)."""
+        if self.pool is None:
+            return [r for r in self._running() if not r.prefilling]
+        for r in sorted(self._running(), key=lambda r: r.admitted):
             if r.slot is None or r.prefilling:  # preempted meanwhile, or not decoding yet
                 continue
             while len(r.pages) * self.config.page_size <= r.computed:

@@ -9,7 +9,11 @@ What a row holds per layer (``compressed.CompressedLayer``), sized by the layer'
 - CSA layers also the indexer's keys [B, ceil(max_len/ratio), J] and its compressor's state.
 
 So a sequence costs per token sum over CSA layers of (H + J) / 4 plus over HCA layers H / 128
-values, not H per layer. Window rows, entries and index keys are KV rows: with a quantized KV
+values, not H per layer. On a mesh every leaf splits by row (``batch``) only: entries and index
+keys are whole on each ``tensor`` device. Split by position (``latent_seq``, as the MLA latent
+cache) they were all-gathered in every decode step, since the attention reads all of them; a
+position split needs an attention that merges per-device partial softmaxes (``mla_parallel``'s
+form), not written yet. Window rows, entries and index keys are KV rows: with a quantized KV
 cache they are stored quantized (one scale per row, ``cache.buffer_spec``). The compressor states
 are the running sums' inputs, kept in the model's float dtype whatever the KV format.
 """
@@ -66,12 +70,12 @@ def _layer_spec(config: ModelConfig, kind: CompressKind, batch: int, max_len: in
     rows = math.ceil(max_len / ratio)
     layer = CompressedLayer(
         window=window,
-        entries=buffer_spec((batch, rows, H), ("batch", "latent_seq", None), 2, kv_quant),
+        entries=buffer_spec((batch, rows, H), ("batch", None, None), 2, kv_quant),
         state=compressor.state_spec(batch, H, ratio, kind is CompressKind.CSA),
     )
     if kind is CompressKind.CSA:
         J = cc.index_head_dim
-        layer = layer.replace(index_keys=buffer_spec((batch, rows, J), ("batch", "latent_seq", None), 2, kv_quant),
+        layer = layer.replace(index_keys=buffer_spec((batch, rows, J), ("batch", None, None), 2, kv_quant),
                               index_state=compressor.state_spec(batch, J, ratio, True))
     return layer
 

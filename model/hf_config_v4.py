@@ -65,8 +65,8 @@ _IGNORED_V4 = {
     "qk_nope_head_dim": "a V4 head is [nope | rope] of head_dim; the nope part is head_dim minus the rotary dims",
     "kv_lora_rank": "a DeepSeek-V3 key: V4's single key=value head is projected straight to head_dim",
     "rope_interleave": "V4 always rotates adjacent pairs of each head's trailing dims (apply_rotary_pos_emb)",
-    "expert_dtype": "how the published experts are stored (fp4); conversion reads each tensor's dtype, and "
-                    "dayzero.convert refuses FP4 checkpoints (dayzero.convert.name_map_v4)",
+    "expert_dtype": "how the published experts are stored (fp4): the converter reads them (dayzero.convert."
+                    "mxfp4.RowFp4Reader); the model they make is the same",
 }
 
 # Keys whose only value HF's deepseek_v4 computes with (refused otherwise, naming the key).

@@ -9,6 +9,8 @@ the engine's one-sentence reason or None. ``runtime.check_placement`` and
 ``runtime._check_kernels_on_mesh`` raise it as a ``RunConfigError``; the planner's footprint
 (``dayzero.model.footprint``) records it as a candidate mesh's ``refused``. It lives in ``model``
 rather than ``engine`` because the footprint is model code and ``model`` never imports ``engine``.
+DeepSeek-V4 is also refused on a ``tensor`` size that does not divide its output groups
+(:func:`compressed_split_refusal`).
 """
 
 from __future__ import annotations
@@ -59,4 +61,20 @@ def mesh_refusal(config: ModelConfig, axes: Mapping[str, int],
             check_expert_parallel(config.moe.num_experts, ep)
         except ValueError as e:
             return str(e)
-    return kernel_split_refusal(config, sizes["tensor"], kernels)
+    reason = compressed_split_refusal(config, sizes["tensor"])
+    return reason if reason is not None else kernel_split_refusal(config, sizes["tensor"], kernels)
+
+
+def compressed_split_refusal(config: ModelConfig, tensor: int) -> str | None:
+    """Why DeepSeek-V4's attention cannot split over ``tensor`` (None: it can, or the model has no
+    compressed attention). Its heads split over ``tensor`` in whole output groups: ``o_a`` [g, N*H/g,
+    d_g] is laid out by group. A ``tensor`` that does not divide the g groups would leave ``o_a``
+    (as large as ``q_b``) whole on every device while the heads around it split (GSPMD computes that
+    correctly, at a tensor-fold copy of o_a per layer), so such a mesh is refused instead; g dividing
+    evenly also splits the N heads evenly (every group holds N/g whole heads)."""
+    cc = config.compressed
+    if cc is None or tensor <= 1 or cc.o_groups % tensor == 0:
+        return None
+    return (f"--mesh tensor={tensor} cannot split DeepSeek-V4's {cc.o_groups} output groups (o_groups, "
+            f"{config.num_heads} query heads) evenly; use a tensor size that divides {cc.o_groups} and put the "
+            "other devices on expert or data")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from dayzero.model.config import CompressKind, ModelConfig
+from dayzero.model.config import CompressKind, Family, ModelConfig
 from dayzero.model.quant import (
     INT4_GROUP, MXFP4_BLOCK, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant, quantize, reblocked,
     scale_shape,
@@ -209,6 +209,25 @@ class LayerWeights:
 
 
 @struct.dataclass
+class MTPWeights:
+    """One DeepSeek-V4 multi-token-prediction (next-n) module, kept for speculative decoding (the
+    forward pass does not run it). As DeepSeek's ``MTPBlock``: the next token's embedding,
+    RMSNorm'd by ``enorm`` [D] and projected by ``e_proj`` [D,D], is added to each residual stream
+    of the main model's last hidden state, RMSNorm'd by ``hnorm`` [D] and projected by ``h_proj``
+    [D,D] (both input-first); ``layer`` is one decoder block of the sliding kind with a top-k
+    routed MoE (:func:`mtp_block_config`); its own ``hc_head`` collapses the streams and ``norm``
+    [D] precedes the shared output head. Embedding and head are the main model's."""
+
+    enorm: Any
+    hnorm: Any
+    e_proj: Any
+    h_proj: Any
+    layer: LayerWeights
+    norm: Any
+    hc_head: HyperWeights | None = None
+
+
+@struct.dataclass
 class Weights:
     """The whole model. ``lm_head`` is None when the output projection is tied to ``embed``."""
 
@@ -217,6 +236,9 @@ class Weights:
     final_norm: Any  # [D]
     lm_head: Any = None  # [D,V]
     hc_head: HyperWeights | None = None  # hyper-connections: the streams' collapse before final_norm
+    # DeepSeek-V4's MTP modules (config.mtp_layers of them), loaded and kept, not run; None for
+    # every other family, whose MTP tensors the converter skips.
+    mtp: tuple[MTPWeights, ...] | None = None
 
 
 IN0 = (0,)  # a projection whose first axis is its input: one scale per the other axes
@@ -363,7 +385,9 @@ def _moe_specs(c: ModelConfig, i: int) -> MoEWeights:
         gate_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
         up_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
         down_bias=ParamSpec((E, D), ("experts", "embed"), Init.ZEROS) if biased else None,
-        tid2eid=ParamSpec((c.vocab_size, c.moe.experts_per_token), ("vocab", None), Init.ZEROS,
+        # Whole on every device (3 MB for V4): any token may have any id, and a table split over
+        # the vocabulary was all-gathered in every step (the expert-parallel dispatch reads it whole).
+        tid2eid=ParamSpec((c.vocab_size, c.moe.experts_per_token), (None, None), Init.ZEROS,
                           jnp.dtype(jnp.int32)) if hashed else None,
     )
 
@@ -386,6 +410,32 @@ def _layer_specs(c: ModelConfig, i: int) -> LayerWeights:
     )
 
 
+def mtp_block_config(config: ModelConfig) -> ModelConfig:
+    """The one-layer config whose layer 0 is a DeepSeek-V4 MTP module's decoder block: attention
+    of the sliding kind (DeepSeek's ``compress_ratios`` entry 0 for it) and a MoE block routed by
+    top-k with a score bias, never by the token table (DeepSeek's ``Gate`` hashes only layers
+    below ``num_hash_layers``, and an MTP block's index is past every layer). The block's specs
+    and name map come from this config, through the same builders as the main layers'."""
+    if config.family is not Family.DEEPSEEK_V4:
+        raise ValueError(f"MTP modules are kept for DeepSeek-V4 only, not {config.family.value}")
+    moe = dataclasses.replace(config.moe, layers=(True,), hash_layers=(False,) if config.moe.hash_layers else ())
+    compressed = dataclasses.replace(config.compressed, kinds=(CompressKind.SLIDING,))
+    return dataclasses.replace(config, num_layers=1, sliding_windows=(config.compressed.window,), moe=moe,
+                               compressed=compressed, mtp_layers=0)
+
+
+def _mtp_specs(c: ModelConfig) -> tuple[MTPWeights, ...] | None:
+    if c.family is not Family.DEEPSEEK_V4 or not c.mtp_layers:
+        return None
+    D, block = c.hidden_size, mtp_block_config(c)
+    norm = ParamSpec((D,), ("embed",), Init.ONES)
+    # e_proj / h_proj are projections like q_a (published in FP8): input-first, quantizable.
+    proj = ParamSpec((D, D), ("embed", None), in_axes=IN0)
+    one = MTPWeights(enorm=norm, hnorm=norm, e_proj=proj, h_proj=proj, layer=_layer_specs(block, 0), norm=norm,
+                     hc_head=_hyper_specs(c, c.hyper.mult, 1))
+    return (one,) * c.mtp_layers
+
+
 def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> Weights:
     """The weight tree with a :class:`ParamSpec` at every leaf; with ``quant``, a
     :class:`QuantizedArray` of a values spec and a scale spec at each quantized projection."""
@@ -396,6 +446,7 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
         final_norm=ParamSpec((D,), ("embed",), Init.ONES),
         lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
         hc_head=None if config.hyper is None else _hyper_specs(config, config.hyper.mult, 1),
+        mtp=_mtp_specs(config),
     )
     if quant is None or quant.weights is WeightQuant.NONE:
         return specs

@@ -194,6 +194,19 @@ def _incremental_logits(config, weights, ids, prefill: int):
     return np.stack(out)
 
 
+@pytest.fixture(scope="module")
+def quick_compiles():
+    """XLA's optimisation passes off for one module of tiny programs (they cost more to compile
+    than they save at run time), restored after it. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("quick_compiles")``."""
+    import jax
+
+    before = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", before)
+
+
 @pytest.fixture(scope="session")
 def incremental_logits():
     """``(config, weights, ids, prefill) -> logits`` of prefill followed by one-token decode steps."""

@@ -95,14 +95,7 @@ def hf_min_gap(model, ids: np.ndarray) -> float:
     return min(router_gap(r.numpy()) for r in out.router_logits)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimisation passes off for this module's tiny programs: they cost more to compile
-    than they save at run time (as test_kernels_attention.py). Restored after the module."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,7 @@ DTYPES = [jnp.float32, jnp.bfloat16]
 HEADS = {"gqa": (4, 2, 16), "mqa": (4, 1, 32), "mha": (2, 2, 24)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """Tiny shapes, many distinct programs: XLA's optimisation passes cost more than running
-    them, and skipping them halves this file's time. Restored after the module."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
 
 def run(fn, *args, **kwargs):

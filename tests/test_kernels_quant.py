@@ -42,13 +42,7 @@ FORMATS = {"int8": ValueFormat.INT8, "fp8": ValueFormat.FP8}
 SAME = dict(rtol=1e-6, atol=1e-6)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """As in tests/test_kernels_attention.py: tiny shapes, many programs; skip XLA's passes."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
 
 def run(fn, *args, **kwargs):

@@ -31,8 +31,6 @@ from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.presets import load_preset, preset_hf_config
 from dayzero.model.rope import static_inv_freq, yarn_attention_factor
 from dayzero.model.weights import abstract_weights, named_leaves, parameter_count
-from dayzero.sharding.planner import PlanError, Workload
-from tests.test_cli import _run
 from tests.v4_helpers import TINY, tiny_hf_config, tiny_hf_model
 
 SLIDING, CSA, HCA = CompressKind.SLIDING, CompressKind.CSA, CompressKind.HCA
@@ -239,8 +237,9 @@ def test_ropes_match_hfs_rotary_embedding():
 @pytest.mark.parametrize("name", ["deepseek-v4-flash", "deepseek-v4-pro"])
 def test_preset_parameter_count_is_hfs(name):
     """dayzero's weight tree counts HF's parameters (meta device) plus the two buffers HF does not
-    count as parameters but the converter stores as leaves: each top-k layer's
-    e_score_correction_bias [E] and each hash layer's tid2eid [V,C]."""
+    count as parameters but the converter stores as leaves (each top-k layer's
+    e_score_correction_bias [E] and each hash layer's tid2eid [V,C]) and the MTP layer, which HF
+    does not build but dayzero keeps."""
     raw = preset_hf_config(name)
     hf_config = transformers.DeepseekV4Config(**raw)
     assert parse_hf_config(hf_config.to_dict()) == load_preset(name)
@@ -250,20 +249,10 @@ def test_preset_parameter_count_is_hfs(name):
     config = load_preset(name)
     E, V, C, L = raw["n_routed_experts"], raw["vocab_size"], raw["num_experts_per_tok"], raw["num_hidden_layers"]
     assert buffers == (L - 3) * E + 3 * V * C
-    assert parameter_count(abstract_weights(config)) == sum(p.numel() for p in model.parameters()) + buffers
+    mtp = parameter_count(abstract_weights(config).mtp)
+    assert mtp > 0 and config.mtp_layers == 1
+    assert parameter_count(abstract_weights(config)) == sum(p.numel() for p in model.parameters()) + buffers + mtp
     assert DecodeFootprint(config, name).parameters == parameter_count(abstract_weights(config))
-
-
-def test_plan_refuses_v4_in_one_sentence(capsys):
-    """The planner cannot size V4's compressed cache yet: it refuses rather than count per-token
-    pages of 512 values in every layer."""
-    with pytest.raises(PlanError, match="DeepSeek-V4's compressed KV cache"):
-        DecodeFootprint(load_preset("deepseek-v4-flash")).cache(Workload(devices=8, device_memory=1 << 40), {})
-    rc, out, err = _run(["plan", "--preset", "deepseek-v4-pro", "--devices", 64, "--device-memory", "141GiB",
-                         "--context", 1 << 20], capsys)
-    assert rc != 0 and "Traceback" not in err
-    line = err.strip()
-    assert len(line.splitlines()) == 1 and line.startswith("dayzero: error:") and "DeepSeek-V4" in line, err
 
 
 # ---- checkpoint names and dtypes -----------------------------------------------------------------------
@@ -384,36 +373,32 @@ def test_fixed_dtypes_survive_a_bfloat16_conversion(converted, tmp_path):
     assert layer.attn_hc.fn.dtype == jnp.float32 and layer.attn.q_a.dtype == jnp.bfloat16
 
 
-def test_check_reports_no_unknown_tensors_and_lists_mtp_as_ignored(converted, tmp_path):
+def test_check_reports_no_unknown_tensors_and_refuses_undeclared_mtp(converted, tmp_path):
     for spelling, (src, _) in converted.items():
         report = check(src)
         assert report.passed, (spelling, report.all_problems)
         s = report.structure
         assert s["missing"] == s["unexpected"] == s["wrong_shape"] == s["not_float"] == s["ignored"] == [], spelling
-    # An upstream checkpoint with its MTP layer: the mtp.0.* tensors are skipped and listed.
+    # MTP tensors in a checkpoint that declares no MTP layer are unexpected (the kept MTP layer
+    # itself is checked in tests/test_v4_formats.py).
     src = converted["upstream"][0]
     root = tmp_path / "mtp"
     root.mkdir()
     mtp = {"mtp.0.attn.wq_a.weight": torch.zeros(32, 64), "mtp.0.hc_head_fn": torch.zeros(4, 256)}
     save_file({**load_file(src / "model.safetensors"), **mtp}, root / "model.safetensors", metadata={"format": "pt"})
-    (root / "config.json").write_text(json.dumps({**json.loads((src / "config.json").read_text()),
-                                                  "num_nextn_predict_layers": 1}))
-    report = check(root)
-    assert report.passed, report.all_problems
-    assert report.structure["ignored"] == ["mtp.0.attn.wq_a.weight", "mtp.0.hc_head_fn"]
     (root / "config.json").write_text((src / "config.json").read_text())  # no MTP layer declared
     assert check(root).structure["unexpected"] == ["mtp.0.attn.wq_a.weight", "mtp.0.hc_head_fn"]
 
 
-def test_published_fp8_fp4_checkpoints_are_refused_before_reading(converted, tmp_path):
+def test_unknown_expert_dtype_is_refused_before_reading(converted, tmp_path):
+    """The published FP8 weights and FP4 experts convert (tests/test_v4_formats.py); an expert
+    format dayzero does not read is one line before any tensor is read."""
     src = converted["saved"][0]
     root = tmp_path / "published"
     root.mkdir()
     (root / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
     config = json.loads((src / "config.json").read_text())
-    for extra in ({"quantization_config": preset_hf_config("deepseek-v4-flash")["quantization_config"]},
-                  {"expert_dtype": "fp4"}):
-        (root / "config.json").write_text(json.dumps({**config, **extra}))
-        with pytest.raises(ConvertError, match="FP4 experts") as info:
-            convert_checkpoint(root, tmp_path / "dz", progress=False)
-        assert len(str(info.value).splitlines()) == 1
+    (root / "config.json").write_text(json.dumps({**config, "expert_dtype": "int4"}))
+    with pytest.raises(ConvertError, match="expert_dtype") as info:
+        convert_checkpoint(root, tmp_path / "dz", progress=False)
+    assert len(str(info.value).splitlines()) == 1

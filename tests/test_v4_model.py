@@ -12,6 +12,8 @@ mixes, score biases and hash tables) goes through the real converter. Checked:
 (d) a ragged batch of two rows fed in chunks of odd sizes (windows closing mid-chunk, one-token
     chunks, padding) equals each row's full pass.
 
+Default suite: the config, the tie gaps, (a) and (d); (b) and (c) under ``-m slow``.
+
 Random routers and indexers can sit near ties: the router's C-th/(C+1)-th score gap on the
 top-k layers and the indexer's k-th/(k+1)-th score gap are asserted on HF's own forward first.
 """
@@ -39,13 +41,7 @@ LONG, PREFILL, NEW = 300, 280, 32
 SEED = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimisation passes off for this module's tiny programs (as test_gpt_oss.py)."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +113,7 @@ def test_logits_match_hf(case):
     assert_logits_match(case.ours_long, case.hf_long, case.name)
 
 
+@pytest.mark.slow  # 25 s; (d) below steps one-token chunks through the same cache in the default suite
 def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     """(c) prefill 280 tokens, then 20 one at a time (HCA windows close at 287 and 303, CSA ones
     every 4th step): the logits of one 300-token pass."""
@@ -153,6 +150,7 @@ def test_ragged_chunks_match_full_forward(case):
         assert_steps_match_full(np.concatenate(got[r]), full, f"row {r}")
 
 
+@pytest.mark.slow  # 20 s; (a) and (d) imply it up to ties (asserted absent on the long prompt)
 def test_greedy_matches_hf(case):
     """(b) 32 greedy tokens after a 40-token prompt: Engine.generate's are HF generate's."""
     prompt = random_ids(40, case.config.vocab_size, seed=3)

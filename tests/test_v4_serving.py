@@ -17,6 +17,9 @@ prefill chunks of 2 tokens, so that:
 A slot holds ``max_context`` tokens, so V4 never runs out of room and is never preempted by the
 engine; the recompute path a preemption takes is forced by hand (two running requests preempted
 and readmitted into each other's slots).
+
+Default suite: the slot writes against the contiguous cache's and the resolved configuration;
+the served requests, the forced preemption and the HTTP request run under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,12 @@ from dayzero.convert import load_checkpoint
 from dayzero.engine import Engine, SamplingParams
 from dayzero.engine.runtime import RunConfigError
 from dayzero.engine.serving import ServingConfig, ServingEngine
+from dayzero.tools.measure import CompileCounter
+from dayzero.model import compressed_cache
+from dayzero.model.compressed import NewCompressedLayer
+from dayzero.model.compressed_cache import CompressedCache, NewCompressed
+from dayzero.model.compressed_slots import append_to_slots, slot_cache_specs
+from dayzero.model.weights import map_specs
 from tests.v4_helpers import tiny_hf_model
 
 # 2 slots (decode batches of 1 and 2), context 64, prefill chunks of exactly 2 tokens: the shapes
@@ -46,43 +55,57 @@ LENGTHS = (37, 5, 21, 50, 16, 37)
 PROMPTS = [np.random.default_rng(s).integers(2, 256, n).tolist() for s, n in enumerate(LENGTHS)]
 PROMPTS[5] = PROMPTS[0]  # the same prompt sampled (row 5) and greedy (row 0)
 GREEDY = SamplingParams()
-PARAMS = [GREEDY, SamplingParams(temperature=1.0, seed=5), GREEDY,
-          SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11), GREEDY, SamplingParams(temperature=1.0, seed=7)]
+PLAIN, FILTERED = SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11)
+PARAMS = [GREEDY, PLAIN, GREEDY, FILTERED, GREEDY, SamplingParams(temperature=1.0, seed=7)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quick_compiles():
-    """XLA's optimisation passes off for this module's tiny programs (as test_v4_model.py)."""
-    before = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", before)
+pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
 
 @pytest.fixture(scope="module")
 def v4(hf_factory, tmp_path_factory, quick_compiles):
-    """The converted tiny V4 model's Engine and ``Engine.generate``'s completions of the requests."""
+    """The converted tiny V4 model's Engine; ``reference()`` gives ``Engine.generate``'s
+    completions of the requests (computed once, by the slow tests that need them)."""
     _, dz_dir = hf_factory.save_and_convert(tiny_hf_model(5), tmp_path_factory.mktemp("v4_serving"))
     config, weights = load_checkpoint(dz_dir, dtype=jnp.float32)
     engine = Engine(config, weights)
-    reference = engine.generate(PROMPTS, max_new_tokens=NEW, sampling=PARAMS, ignore_eos=True, logprobs=True)
+    done = []
+
+    def reference():
+        if not done:
+            done.append(engine.generate(PROMPTS, max_new_tokens=NEW, sampling=PARAMS, ignore_eos=True, logprobs=True))
+        return done[0]
+
     return types.SimpleNamespace(engine=engine, reference=reference)
 
 
+@pytest.fixture(scope="module")
+def server(v4):
+    """A warmed-up V4 server (every step shape compiled: serving compiles nothing more)."""
+    server = ServingEngine(v4.engine, SERVING)
+    server.warmup()
+    return server
+
+
 def _assert_same(served, reference, rows):
+    """Each served completion has the tokens and logprobs of its reference row in ``rows``."""
     for row, out in zip(rows, served):
         ref = reference[row]
         assert out.token_ids == ref.token_ids, f"request {row} ({LENGTHS[row]} tokens, {PARAMS[row]})"
         np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-4, atol=1e-5)
 
 
-def test_served_requests_match_generate(v4):
+# The three tests below cost ~90 s (six compiles of the tiny V4 forward: four serving shapes and
+# generate's two), too much for the default suite; it keeps the slot writes and the config.
+@pytest.mark.slow
+def test_served_requests_match_generate(server, v4):
     """Six requests over two slots, chunked prefill, greedy and seeded sampled rows: every
-    request's tokens and logprobs are Engine.generate's."""
-    server = ServingEngine(v4.engine, SERVING)
+    request's tokens and logprobs are Engine.generate's, and nothing compiles after the warm-up."""
     assert server.config.slot_cache and not server.config.prefix_cache and server.pool is None
-    served = server.run(PROMPTS, max_new_tokens=NEW, sampling=PARAMS, ignore_eos=True, logprobs=True)
-    _assert_same(served, v4.reference, range(len(PROMPTS)))
+    with CompileCounter() as counter:
+        served = server.run(PROMPTS, max_new_tokens=NEW, sampling=PARAMS, ignore_eos=True, logprobs=True)
+    assert counter.count == 0
+    _assert_same(served, v4.reference(), range(len(PROMPTS)))
     assert served[5].token_ids != served[0].token_ids  # the sampled row does sample
     stats = server.stats
     assert stats.prefill_chunks == sum(-(-n // 2) for n in LENGTHS) and stats.preemptions == 0
@@ -92,13 +115,14 @@ def test_served_requests_match_generate(v4):
     assert "pages_used" not in metrics and metrics["running"] == 0 and metrics["prefix_cache_hit_rate"] == 0.0
 
 
-def test_preempted_requests_recompute_into_each_others_slots(v4):
+@pytest.mark.slow
+def test_preempted_requests_recompute_into_each_others_slots(server, v4):
     """Two running requests preempted by hand (the engine never preempts V4: a slot has room for
     max_context tokens), one decoding and one mid-prefill, are readmitted into each other's slots,
     holding the other's stale rows, and recompute there (prompt + generated tokens): the same
     tokens as Engine.generate's."""
     rows = [0, 3, 1]
-    server = ServingEngine(v4.engine, SERVING)
+    before = server.stats.preemptions
     ids = [server.submit(PROMPTS[r], max_new_tokens=NEW, sampling=PARAMS[r], ignore_eos=True, logprobs=True)
            for r in rows]
     server.step()
@@ -109,12 +133,13 @@ def test_preempted_requests_recompute_into_each_others_slots(v4):
     server._preempt(first)
     server._preempt(second)
     server.step()
-    assert server._slots == [second, first] and server.stats.preemptions == 2
+    assert server._slots == [second, first] and server.stats.preemptions == before + 2
     for _ in server.stream():
         pass
-    _assert_same([server.completion(i) for i in ids], v4.reference, rows)
+    _assert_same([server.completion(i) for i in ids], v4.reference(), rows)
 
 
+@pytest.mark.slow
 def test_server_completion_matches_generate(v4):
     """One greedy request through the OpenAI-compatible HTTP server (engine/server.py, in
     process on a loopback port) over a V4 serving engine."""
@@ -141,7 +166,50 @@ def test_server_completion_matches_generate(v4):
     finally:
         http.should_exit = True
         thread.join(60)
-    assert choice["token_ids"] == v4.reference[2].token_ids and choice["finish_reason"] == "length"
+    assert choice["token_ids"] == v4.reference()[2].token_ids and choice["finish_reason"] == "length"
+
+
+_RNG = np.random.default_rng(0)
+
+
+def _random(shape) -> jax.Array:
+    return jnp.asarray(_RNG.standard_normal(shape), jnp.float32)
+
+
+def test_append_writes_only_the_steps_real_rows(v4):
+    """``append_to_slots`` against ``compressed_cache.append`` on the slot's row alone: a step of a
+    real row in slot 1 and a padding row (no token, garbage rows, entry ids and states) naming the
+    same slot writes exactly what the real row alone writes there, and slot 0 keeps its contents."""
+    config = v4.engine.config
+    pool = map_specs(lambda x: _random(x.shape) if len(x.shape) >= 3 else jnp.asarray(np.zeros(x.shape, x.dtype)),
+                     slot_cache_specs(config, 2, 64))
+    T, M = 3, 2
+    layers = []
+    for c in pool.layers:
+        H = c.window.shape[-1]
+        n = NewCompressedLayer(rows=_random((2, T, H)))
+        if c.entries is not None:
+            state = jax.tree.map(lambda s: _random((2, *s.shape[1:])), c.state)
+            n = n.replace(entries=_random((2, M, H)), entry_ids=jnp.array([[3, -1], [5, 6]]), state=state)
+        if c.index_keys is not None:
+            J = c.index_keys.shape[-1]
+            state = jax.tree.map(lambda s: _random((2, *s.shape[1:])), c.index_state)
+            n = n.replace(index_keys=_random((2, M, J)), index_ids=jnp.array([[3, -1], [5, 6]]),
+                          index_state=state)
+        layers.append(n)
+    new = NewCompressed(layers=tuple(layers), num_new=jnp.array([T, 0]), rope_len=jnp.array(20))
+    step = pool.replace(slots=jnp.array([1, 1]), lengths=jnp.array([17, 0]))
+    written = jax.jit(append_to_slots)(step, new)
+    # The oracle: slot 1's row as a contiguous cache of one row, appended by the contiguous cache.
+    row = CompressedCache(layers=jax.tree.map(lambda x: x[1:2], pool.layers), lengths=jnp.array([17]),
+                          rope_len=pool.rope_len, max_len=64)
+    alone = jax.jit(compressed_cache.append)(row, jax.tree.map(lambda x: x[:1] if x.ndim else x, new))
+    for i, layer in enumerate(alone.layers):
+        for got, want, before in zip(*(map(np.asarray, jax.tree.leaves(t)) for t in (written.layers[i], layer,
+                                                                                      pool.layers[i]))):
+            np.testing.assert_array_equal(got[1], want[0])
+            np.testing.assert_array_equal(got[0], before[0])
+    np.testing.assert_array_equal(written.lengths, [17 + T, 0])
 
 
 def test_slot_cache_config_and_refusals(v4):
