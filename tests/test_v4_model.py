@@ -12,7 +12,8 @@ mixes, score biases and hash tables) goes through the real converter. Checked:
 (d) a ragged batch of two rows fed in chunks of odd sizes (windows closing mid-chunk, one-token
     chunks, padding) equals each row's full pass.
 
-Default suite: the config, the tie gaps, (a) and (d); (b) and (c) under ``-m slow``.
+Default suite: the config, the tie gaps, (a) and (d); (b), (c) and per-layer ``verify`` under
+``-m slow``.
 
 Random routers and indexers can sit near ties: the router's C-th/(C+1)-th score gap on the
 top-k layers and the indexer's k-th/(k+1)-th score gap are asserted on HF's own forward first.
@@ -156,3 +157,13 @@ def test_greedy_matches_hf(case):
     prompt = random_ids(40, case.config.vocab_size, seed=3)
     ours, theirs = greedy_vs_hf(case, prompt, NEW)
     assert ours.token_ids == theirs
+
+
+@pytest.mark.slow  # 15 s (HF and dayzero forwards with per-layer hooks); the logits test covers the whole model
+def test_verify_compares_every_layer(case):
+    """``dayzero verify``: each decoder layer's output (the 4 hyper-connection streams) and the
+    logits against HF's, per layer, on 120 tokens (past the window and several HCA windows)."""
+    from dayzero.tools.verify import verify
+
+    report = verify(case.root / "hf", case.root / "dz", ids=case.long_ids[0, :120].tolist())
+    assert report.passed and len(report.layers) == case.config.num_layers
