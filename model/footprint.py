@@ -14,6 +14,9 @@ read from the engine's own declarations, so the planner sizes what the engine wo
   keep ``latent_pages`` whole). Not ``cache_specs``' contiguous cache (``Engine.generate``'s,
   whose latent positions split over ``tensor``): a deployment serves from the pools. The block
   tables, lengths and ``rope_len`` are not counted: small int32 host inputs of each step;
+- DeepSeek-V4's KV instead: the serving engine's slot cache, a replica's rows of
+  ``compressed_cache.cache_specs`` (window rings, compressed entries, index keys, compressor
+  states), laid out by their own axes; V4's steps too are counted in ``model.footprint_v4``;
 - whether the engine runs the model on a mesh: ``model.mesh_check.mesh_refusal``, the decision
   ``engine.runtime`` raises;
 - the transient buffers (``activations``) and the collectives (``model.footprint_steps``) of
@@ -24,6 +27,10 @@ read from the engine's own declarations, so the planner sizes what the engine wo
   (one row, as the serving engine prefills one request at a time), shaped as the serving engine shapes its chunks
   (``Workload.prefill_shapes``: a full ``work.prefill_chunk`` over what the chunk budget lets it
   attend, and the last chunk of a context-long prompt, shrunk to the budget).
+
+Every array is counted at the bytes per element the device holds (:func:`held_itemsize`): the
+4-bit types (int4 and MXFP4's float4_e2m1fn values) at half a byte, packed, not at their numpy
+itemsize of 1.
 
 Storage is spelled as ``dayzero generate`` spells it and parsed with the engine's parsers
 (``quant.parse_weight_quant`` / ``parse_kv_quant``). ``auto`` is refused: it is the platform's
@@ -152,8 +159,7 @@ class DecodeFootprint:
         lists every shape's stages, named with the shape, so its peak is the largest of them."""
         out = {}
         for name, steps in self.steps(work, axes).items():
-            out[name] = [stage if len(steps) == 1 else dataclasses.replace(stage, name=f"{stage.name} ({st.T} tokens "
-                                                                                      f"over {st.S})")
+            out[name] = [stage if len(steps) == 1 else dataclasses.replace(stage, name=f"{stage.name} ({_shape(st)})")
                          for st in steps for stage in step_stages(self.config, st)]
         return out
 
@@ -161,6 +167,10 @@ class DecodeFootprint:
         """Each step's collectives (``footprint_steps.step_collectives``); for the prefill, those
         of its full chunk (the first shape: the most tokens, the most bytes moved per chunk)."""
         return {name: step_collectives(self.config, steps[0]) for name, steps in self.steps(work, axes).items()}
+
+
+def _shape(st: Step) -> str:
+    return f"{st.T} tokens over {st.S}" if st.S else f"{st.T} tokens, reading no cache"
 
 
 # The planner evaluates many meshes (and, for its advice, other options and sizes) of one model:

@@ -20,8 +20,8 @@ would, so a preset is only ever a shortcut for a file (``dayzero plan --preset N
 - ``deepseek-v4-flash`` / ``deepseek-v4-pro``: DeepSeek-V4 (284B / 1.6T, 1M context) as
   published by deepseek-ai (their config.json, keys and values, in the legacy spelling HF's
   ``DeepseekV4Config`` folds in: ``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``,
-  the flat ``rope_scaling``). The planner cannot count V4's compressed cache yet and refuses to
-  plan them (``dayzero.model.footprint``); parsing and the parameter count work.
+  the flat ``rope_scaling``). The planner sizes their cache as the serving engine's slot rows
+  (``dayzero.model.footprint_v4``).
 """
 
 from __future__ import annotations

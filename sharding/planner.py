@@ -10,8 +10,9 @@ per-device bytes follow from the same rules. No device and no allocation is need
 
 What the tensors and collectives are is the model's business: a :class:`Footprint`
 (``dayzero.model.footprint`` implements it) lists the weights (with their quantization scales),
-the KV (the serving engine's page pools), the transient buffers of a decode step and of a prefill chunk, their collectives, and
-whether the engine runs the model on a mesh at all (``refusal``: the engine's own check). This
+the KV (the serving engine's page pools, or DeepSeek-V4's slot cache), the transient buffers of a
+decode step and of a prefill chunk, their collectives, and whether the engine runs the model on a
+mesh at all (``refusal``: the engine's own check). This
 package imports nothing from ``dayzero.model`` (see DESIGN.md), so the footprint is passed in.
 
 Mesh choice (:func:`plan`): every data x tensor x expert factorisation of the device count whose

@@ -4,7 +4,10 @@ tests/test_plan_validation.py (``python -m tests.plan_checks PART [ARGS]``, star
 
 - ``placed [full]``: per-device bytes of the weights the engine places and of the serving
   engine's KV page pools (reduced models) against the planner, for every model on three meshes
-  with and without quantization (``full``: every storage scheme on four meshes);
+  with and without quantization (``full``: every storage scheme on four meshes), and of a tiny
+  DeepSeek-V4's weights, its serving slot cache (one device) and the cache ``Engine.generate``
+  allocates;
+  each shard counted at the bytes per element measured for its dtype (4-bit: half a byte);
 - ``recommend MODEL OPTIONS [all]``: load the mesh the planner recommends (``all``: every mesh
   it recommends as the device memory shrinks) and generate 2 tokens;
 - ``activations CASE...`` / ``decode CASE...``: the planner's decode and prefill (or decode
@@ -27,6 +30,23 @@ MOE_MESHES = ("tensor=8", "tensor=4,expert=2", "data=2,tensor=4")
 DENSE_MESHES = ("tensor=8", "data=2,tensor=4", "data=4,tensor=2")
 OPTIONS = ("none/none", "fp8-block/fp8")
 FULL_OPTIONS = ("none/none", "fp8-block/fp8", "int8/int8", "fp8/none", "int4/none")
+# The tiny DeepSeek-V4 (tests/v4_helpers.TINY: 4 heads in 2 output groups, 8 experts), 256
+# positions: on one device the serving slot cache and Engine.generate's cache, on a mesh (where the
+# serving engine does not run V4 yet) Engine.generate's; tensor at most 2 (it must divide the
+# output groups: mesh_check.compressed_split_refusal). By default one device and two meshes, with
+# both 4-bit schemes (int4 and MXFP4 experts), fp8 blocks and both KV formats.
+V4 = "deepseek-v4-tiny"
+V4_ROWS = (("tensor=1", "fp8-block/int8"), ("data=2,tensor=2", "mxfp4/fp8"), ("tensor=2,expert=2", "int4/int8"))
+V4_MESHES = ("tensor=1", "tensor=2", "tensor=2,expert=2", "data=2,tensor=2", "expert=4")
+
+
+def v4_config():
+    """The tiny DeepSeek-V4 of the V4 tests, as dayzero parses it."""
+    from dayzero.model.hf_config import parse_hf_config
+    from tests.v4_helpers import tiny_hf_config
+
+    return parse_hf_config(tiny_hf_config().to_dict())
+
 
 def part_placed(scope: str = "default") -> dict:
     """Placed-array rows (see the module docstring)."""
@@ -40,6 +60,11 @@ def part_placed(scope: str = "default") -> dict:
             quantize, kv = option.split("/")
             weights = host_weights(config, quantize)
             rows += [compare_placed(name, config, parse_mesh(m), quantize, kv, weights=weights) for m in meshes]
+    config = v4_config()
+    pairs = V4_ROWS if scope != "full" else [(m, o) for o in FULL_OPTIONS + ("mxfp4/fp8",) for m in V4_MESHES]
+    for mesh, option in pairs:
+        quantize, kv = option.split("/")
+        rows.append(compare_placed(V4, config, parse_mesh(mesh), quantize, kv))
     return {"rows": rows}
 
 

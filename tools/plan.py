@@ -48,17 +48,21 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """Plan the model and workload the command line describes."""
+    return _plan_and_config(args)[0]
+
+
+def _plan_and_config(args: argparse.Namespace) -> tuple[Plan, ModelConfig]:
     from dayzero.model.footprint import DecodeFootprint
 
     work = workload_from_args(args)  # checked before the (slower) model is built
     name, config = load_model(args.preset, args.config)
-    return plan(DecodeFootprint(config, name), work, parse_mesh(args.mesh) or None)
+    return plan(DecodeFootprint(config, name), work, parse_mesh(args.mesh) or None), config
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """``dayzero plan``: print the plan (one JSON object with ``--json``); exit 1 if it does not fit."""
-    result = make_plan(args)
-    print(json.dumps(result.to_json()) if args.json else format_plan(result))
+    result, config = _plan_and_config(args)
+    print(json.dumps(result.to_json()) if args.json else format_plan(result, slots=config.compressed is not None))
     return 0 if result.fits else 1
 
 
@@ -84,10 +88,13 @@ def _collective_lines(p: MeshPlan, step: str, label: str) -> list[str]:
         f"{' (across hosts)' if d['inter_host'] else ''}: {d['name']}" for d in largest]
 
 
-def format_plan(result: Plan) -> str:
-    """The human-readable report."""
+def format_plan(result: Plan, slots: bool = False) -> str:
+    """The human-readable report. ``slots``: the KV is a slot cache of whole rows (DeepSeek-V4's
+    window rings, entries and compressor states), not page pools."""
     w, best = result.work, result.recommended
     b = best.bytes
+    rows = -(-w.batch // best.mesh["data"])  # the rows each device's replica holds
+    layout = "slot cache, one row per sequence" if slots else f"serving page pools, {w.page_size} positions a page"
     lines = [
         f"{result.model}: {result.parameters / 1e9:,.1f}B parameters; {w.devices} devices x "
         f"{format_size(w.device_memory)} ({format_size(w.usable)} usable, {w.reserve:.0%} reserved), "
@@ -103,7 +110,7 @@ def format_plan(result: Plan) -> str:
             f"  + {format_size(b['weight_scales'])} quantization scales" if b["weight_scales"] else ""),
         f"  KV cache     {format_size(b['kv_cache']):>10}" + (
             f"  + {format_size(b['kv_scales'])} per-slot scales" if b["kv_scales"] else "")
-        + f"  (serving page pools, {w.page_size} positions a page)",
+        + f"  ({layout}; {format_size((b['kv_cache'] + b['kv_scales']) // rows)} per sequence on each device)",
         f"  activations  {format_size(b['activations']):>10}  (peak: {best.peak_stage})",
         f"    decode step of {w.batch} rows {format_size(best.activation_peaks['decode']):>10}; prefill chunk of "
         f"{min(w.prefill_chunk, w.context)} tokens {format_size(best.activation_peaks['prefill'])}",

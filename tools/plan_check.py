@@ -21,6 +21,9 @@ as the mesh has: run it in a process started with
 host inputs are ``jax.ShapeDtypeStruct`` carrying the shardings the engine gives them (the
 weights as ``generate.weight_specs`` declares them for the run: quantized and re-blocked).
 
+DeepSeek-V4 (``V4_CASES``, tiny): the serving engine's forward over its slot cache
+(:func:`xla_v4_memory`), decode and the chunk shapes of ``footprint_v4.chunk_shapes``.
+
 Weights and KV bytes are not compared here: both sides would read them from the same
 shardings. ``dayzero.tools.plan_measure`` compares them with arrays the engine places.
 """
@@ -166,6 +169,55 @@ def xla_prefill_memory(config: ModelConfig, axes: dict[str, int], work: Workload
     return {"shapes": shapes, "activations": max(r["activations"] for r in shapes)}
 
 
+def v4_serving_inputs(config: ModelConfig, run: RunConfig, slots: int, B: int, T: int, S: int) -> tuple:
+    """Abstract (weights, tokens, num_new, cache) of the serving engine's forward call over a
+    DeepSeek-V4 slot cache (``compressed_slots.slot_cache_specs``: ``slots`` slots of ``S``
+    positions, laid out by its logical axes as ``PagedSteps`` lays it out; the step's slot
+    indices, lengths and ``rope_len`` replicated) for ``B`` rows of ``T`` tokens; the cache is
+    None for a chunk that reads none (``S`` = 0: a prompt's first chunk)."""
+    from dayzero.model.compressed_slots import slot_cache_specs
+
+    placement = run.placement
+    specs = weight_specs(config, run, untied_head=False)
+    weights = shape_structs(specs, run.dtype, placement.shardings(specs))
+    replicated = placement.replicated()
+    host = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
+    cache = None
+    if S:
+        pool = slot_cache_specs(config, slots, S, batch=B, kv_quant=run.kv_cache)
+        cache = shape_structs(pool, run.dtype, placement.shardings(pool))
+        cache = cache.replace(slots=host((B,)), lengths=host((B,)), rope_len=host(()))
+    return weights, host((B, T)), host((B,)), cache
+
+
+def xla_v4_memory(config: ModelConfig, axes: dict[str, int], work: Workload,
+                  stages: tuple[str, ...] = ("decode", "prefill")) -> dict:
+    """DeepSeek-V4's serving steps as the planner sizes them (``footprint_v4.steps``), compiled as
+    the serving engine runs them on the reference path (``paged_steps._forward_logits`` over a
+    slot cache of the replica's ``ceil(batch / data)`` slots of ``work.context`` positions, on its
+    ``tensor`` x ``expert`` devices): the decode step (every slot's row, one token) and each
+    prefill chunk of ``footprint_v4.chunk_shapes`` (one row; the first reads no cache).
+    ``{"decode": memory, "prefill": {"shapes": [{"T", "S", ...}], "activations": the largest}}``."""
+    from dayzero.engine.paged_steps import _forward_logits
+    from dayzero.model.footprint_v4 import chunk_shapes
+
+    replica = replica_run(config, axes, work)
+    slots = -(-work.batch // int(axes.get("data", 1)))
+
+    def memory(B: int, T: int, S: int) -> dict:
+        args = v4_serving_inputs(config, replica, slots, B, T, S)
+        return _memory(_forward_logits.lower(*args, config=config, parallel=replica.parallel))
+
+    out: dict[str, Any] = {}
+    if "decode" in stages:
+        out["decode"] = memory(slots, 1, work.context)
+    if "prefill" in stages:
+        shapes = [{"T": T, "S": work.context if cached else 0, **memory(1, T, work.context if cached else 0)}
+                  for T, cached in chunk_shapes(work)]
+        out["prefill"] = {"shapes": shapes, "activations": max(r["activations"] for r in shapes)}
+    return out
+
+
 def planned_prefill_peaks(config: ModelConfig, name: str, work: Workload, axes: dict[str, int]) -> list[int]:
     """The planner's peak of each prefill shape (in ``work.prefill_shapes()`` order)."""
     from dayzero.model.footprint_steps import step_stages
@@ -194,12 +246,13 @@ def compare_activations(config: ModelConfig, name: str, work: Workload, axes: di
                            "dtype": work.dtype, "quantize": work.quantize, "kv_cache": work.kv_cache,
                            "cut": cut, "layers_compiled": model.num_layers, "refused": planned.refused,
                            "peak_stage": planned.peak_stage}
+    v4 = xla_v4_memory(model, axes, work, stages) if model.compressed is not None else None
     if "decode" in stages:
-        xla = xla_serving_decode_memory(model, axes, work)
+        xla = v4["decode"] if v4 else xla_serving_decode_memory(model, axes, work)
         peak = planned.activation_peaks["decode"]
         out["decode"] = {"planner": peak, "xla": xla["activations"], "ratio": peak / xla["activations"]}
     if "prefill" in stages:
-        xla = xla_prefill_memory(model, axes, work, engine_chunk=engine_chunk)
+        xla = v4["prefill"] if v4 else xla_prefill_memory(model, axes, work, engine_chunk=engine_chunk)
         peak = planned.activation_peaks["prefill"]
         for row, mine in zip(xla["shapes"], planned_prefill_peaks(model, name, work, axes)):
             row.update(planner=mine, ratio=mine / row["activations"])
@@ -222,6 +275,21 @@ TEST_CONFIGS = {
     "test-dsa": dict(_DEEPSEEK, model_type="deepseek_v32", index_topk=512, index_n_heads=16, index_head_dim=64),
     "test-gqa": {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
                  "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 8},
+    # The V4 tests' tiny DeepSeek-V4 (tests/v4_helpers.TINY, kept equal by tests/test_plan.py):
+    # layers [sliding, CSA, HCA, CSA], CSA ratio 4, HCA 16, window 16, 4 heads of 64, 16 x 32 index heads.
+    "test-v4": {
+        "model_type": "deepseek_v4", "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64,
+        "q_lora_rank": 32, "partial_rotary_factor": 0.25, "num_experts_per_tok": 2, "n_routed_experts": 8,
+        "n_shared_experts": 1, "routed_scaling_factor": 1.5, "max_position_embeddings": 4096,
+        "layer_types": ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                        "compressed_sparse_attention"],
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+        "mlp_layer_types": ["hash_moe", "hash_moe", "moe", "moe"], "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6, "swiglu_limit": 10.0, "sliding_window": 16, "o_groups": 2, "o_lora_rank": 16,
+        "index_n_heads": 16, "index_head_dim": 32, "index_topk": 8, "num_nextn_predict_layers": 0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 1,
+    },
 }
 
 
@@ -286,7 +354,18 @@ CASES = {
     "dsa-tp": Case("frontier-3t-1m", "tensor=8", 4, 2048, 256),
     "deepseek-kv-fp8": Case("deepseek-v3", "tensor=8", 4, 2048, 256, kv_cache="fp8"),
     "gqa-kv-int8": Case("llama3-8b", "tensor=8", 8, 2048, 256, kv_cache="int8"),
+    # DeepSeek-V4 (tiny, the serving forward over a slot cache: xla_v4_memory). Fitted: footprint_v4's
+    # structure was read off the buffer assignments of v4-tp (copy counts, the indexer's two points),
+    # v4-ep (the tokens split over ``expert``) and v4-ep4 (one copy of unsplit keys, the fused slot
+    # gather); the others are held out.
+    "v4-tp": Case("test-v4", "tensor=2", 4, 4096, 64, fitted=True),
+    "v4-ep": Case("test-v4", "tensor=2,expert=2", 8, 2048, 128, fitted=True),
+    "v4-ep4": Case("test-v4", "expert=4", 8, 4096, 64, fitted=True),
+    "v4-dp-kv-int8": Case("test-v4", "data=2,tensor=2", 8, 4096, 32, kv_cache="int8"),
+    "v4-tp-chunk256": Case("test-v4", "tensor=2", 2, 4096, 256),
+    "v4-ep-kv-int8": Case("test-v4", "tensor=2,expert=2", 16, 2048, 64, kv_cache="int8"),
 }
+V4_CASES = tuple(name for name, case in CASES.items() if case.model == "test-v4")
 
 
 def check_case(name: str, stages: tuple[str, ...] = ("decode", "prefill")) -> dict:

@@ -7,8 +7,9 @@ before the MoE ones, head and expert counts that still divide the meshes), then 
 the engine builds it: random float weights, quantized as ``Engine.load(quantize=...)`` quantizes
 at load, handed to ``Engine(...)``, which resolves the run, re-blocks block scales for the mesh
 and places every leaf; the KV is the page pools a ``ServingEngine`` over that engine allocates for
-the rows and positions (the deployment's cache; each data replica's pool on its devices), or for
-DeepSeek-V4 (tiny configs, not :func:`reduced`) the cache ``Engine.generate`` allocates.
+the rows and positions (the deployment's cache; each data replica's pool on its devices; for
+DeepSeek-V4, tiny configs rather than :func:`reduced`, its slot cache, and also the cache
+``Engine.generate`` allocates).
 Per-device bytes are read back from the placed arrays, per component, and compared with
 ``planner.evaluate`` on the same reduced config, mesh and options: they must be equal. A shard's
 bytes are its elements times what the device really holds per element of its dtype, measured once
@@ -139,7 +140,10 @@ def build_engine(config, axes: dict[str, int], quantize: str = "none", kv_cache:
     if weights is None:
         weights = host_weights(config, quantize, dtype, seed)
     devices = jax.devices()[: math.prod(axes.values())]  # the process may have more (bench/plan_vs_xla.py)
-    return Engine(config, weights, placement=placement_for(axes, devices), kv_cache=kv_cache)
+    placement = placement_for(axes, devices)
+    if placement is None:  # one device: on it, as Engine.load reads them (a mesh's Engine places them)
+        weights = jax.device_put(weights, devices[0])
+    return Engine(config, weights, placement=placement, kv_cache=kv_cache)
 
 
 def random_weights(specs, seed: int, dtype: str, scale: float = 0.2):
@@ -184,7 +188,8 @@ def serving_pools(engine, batch: int, context: int, page_size: int = 16) -> list
     """The page pools of a ``ServingEngine`` over ``engine`` sized to hold ``batch`` rows of
     ``context`` positions (``ceil(context / page_size)`` pages per row; with ``data`` > 1 one
     pool per replica for its share of the rows, on its own devices): each replica's
-    ``PagedSteps.pool``."""
+    ``PagedSteps.pool``. For DeepSeek-V4 that pool is a slot cache (``compressed_slots``: one
+    cache row of ``context`` positions per slot, a slot per row)."""
     from dayzero.engine.paged_steps import ServingConfig
     from dayzero.engine.serving import ServingEngine
 
@@ -214,8 +219,9 @@ def _components(tree: Any, plain: str, scales: str) -> list[tuple[str, str, Any]
     return out
 
 
-# Per-step int32 host inputs of the serving pools' tree, not KV storage (the planner omits them).
-HOST_INPUTS = ("block_tables", "lengths", "rope_len")
+# Per-step int32 host inputs of the serving pools' tree (a slot cache's slot indices too), not KV
+# storage (the planner omits them).
+HOST_INPUTS = ("block_tables", "slots", "lengths", "rope_len")
 
 
 def contiguous_cache(engine, batch: int, context: int):
@@ -229,10 +235,11 @@ def contiguous_cache(engine, batch: int, context: int):
                       engine._cache_shardings(batch, context))
 
 
-def cache_trees(engine, batch: int, context: int, page_size: int = 16) -> list:
-    """The KV the planner sizes, as the engine allocates it: the serving engine's page pools
-    (:func:`serving_pools`), or for DeepSeek-V4 (no pages) its cache rows (:func:`contiguous_cache`)."""
-    if engine.config.compressed is not None:
+def cache_trees(engine, batch: int, context: int, page_size: int = 16, contiguous: bool = False) -> list:
+    """The KV the planner sizes, as the engine allocates it: the serving engine's pools
+    (:func:`serving_pools`: page pools, or DeepSeek-V4's slot cache, one row per slot), or with
+    ``contiguous`` the cache ``Engine.generate`` allocates (:func:`contiguous_cache`)."""
+    if contiguous:
         return [contiguous_cache(engine, batch, context)]
     return serving_pools(engine, batch, context, page_size)
 
@@ -281,10 +288,10 @@ def held_nbytes(x) -> int:
     return math.ceil(x.size * held_bytes_per_element(x.dtype.name))
 
 
-def placed_bytes(engine, batch: int, context: int, page_size: int = 16) -> dict:
+def placed_bytes(engine, batch: int, context: int, page_size: int = 16, contiguous: bool = False) -> dict:
     """Per-device bytes of the engine's placed weights and of the KV it allocates for ``batch``
-    rows of ``context`` positions (:func:`cache_trees`: the serving page pools, their block
-    tables and lengths left out; DeepSeek-V4's cache rows), per component (``weights``,
+    rows of ``context`` positions (:func:`cache_trees`: the serving pools, their block tables or
+    slot indices and lengths left out; ``contiguous``: ``Engine.generate``'s cache), per component (``weights``,
     ``weight_scales``, ``kv_cache``, ``kv_scales``), summed over each array's addressable
     shards device by device, each shard at the bytes the device holds (:func:`held_nbytes`:
     its elements times the measured bytes per element of its dtype, not ``nbytes``, which says
@@ -293,7 +300,7 @@ def placed_bytes(engine, batch: int, context: int, page_size: int = 16) -> dict:
     global shape, bytes per element): bytes on the device holding the most}}`` (groups: for
     locating a difference), and ``"per_element"``: the measured bytes per element of each dtype."""
     arrays = _components(engine.weights, "weights", "weight_scales")
-    for pool in cache_trees(engine, batch, context, page_size):
+    for pool in cache_trees(engine, batch, context, page_size, contiguous):
         arrays += [a for a in _components(pool, "kv_cache", "kv_scales") if a[0].split("/")[0] not in HOST_INPUTS]
     per_device: dict[str, dict[int, int]] = {c: defaultdict(int) for c in COMPONENTS}
     groups: dict[tuple, dict[int, int]] = defaultdict(lambda: defaultdict(int))
@@ -334,20 +341,34 @@ def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "non
     """Placed-array bytes against the planner for ``config`` (reduced ``name``) on ``axes``: one
     row, with the arrays that differ (``differences``: per component, global shape and element
     size, the placed and the planned bytes on one device; the planner merges identical leaves,
-    so arrays are matched by shape, not by name). The KV placed is the serving engine's page
-    pools, as deployed (not ``Engine.generate``'s contiguous cache); for DeepSeek-V4, whose
-    serving slot cache holds rows of the contiguous cache's layout, ``Engine``'s contiguous cache
-    (its ``batch`` split over ``data`` where the planner counts a replica's rows whole: the same
-    bytes per device, under other global shapes in ``differences``)."""
+    so arrays are matched by shape, not by name). The KV placed is the serving engine's pools,
+    as deployed (not ``Engine.generate``'s contiguous cache): page pools, or DeepSeek-V4's slot
+    cache, whose rows are also ``Engine.generate``'s cache's, compared too (``contiguous_kv_cache``,
+    ``contiguous_kv_scales``). Where the serving engine refuses DeepSeek-V4 (on a mesh, today:
+    ``serving_refused``) the KV measured is ``Engine.generate``'s cache alone (``kv_measured``),
+    its ``batch`` split over ``data`` where the planner counts a replica's rows whole: the same
+    bytes per device, under other global shapes in ``differences``."""
+    from dayzero.engine.runtime import RunConfigError
     from dayzero.sharding.planner import Workload
 
     engine = build_engine(config, axes, quantize, kv_cache, dtype, weights=weights)
     devices = math.prod(axes.values())
     work = Workload(devices=devices, device_memory=1 << 40, quantize=quantize, kv_cache=kv_cache, dtype=dtype,
                     batch=batch, context=context)
-    placed = placed_bytes(engine, batch, context, work.page_size)
     planned = planned_bytes(config, name, work, axes)
+    serving_refused = None
+    try:
+        placed = placed_bytes(engine, batch, context, work.page_size)
+    except RunConfigError as e:  # the serving engine does not run DeepSeek-V4 on a mesh yet
+        if config.compressed is None:
+            raise
+        serving_refused = str(e)
+        placed = placed_bytes(engine, batch, context, work.page_size, contiguous=True)
     rows = {c: {"placed": placed["max"][c], "planner": planned["bytes"][c]} for c in COMPONENTS}
+    if config.compressed is not None and serving_refused is None:  # the slot rows are Engine.generate's too
+        alone = placed_bytes(engine, batch, context, work.page_size, contiguous=True)["max"]
+        rows.update({f"contiguous_{c}": {"placed": alone[c], "planner": planned["bytes"][c]}
+                     for c in ("kv_cache", "kv_scales")})
     mine, theirs = placed["groups"], planned["groups"]
     differences = [{"component": key[0], "shape": key[1], "itemsize": key[2], "placed": mine.get(key),
                     "planner": theirs.get(key)} for key in sorted(set(mine) | set(theirs), key=str)
@@ -357,6 +378,7 @@ def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "non
         "dtype": dtype, "batch": batch, "context": context, "components": rows,
         "equal": all(r["placed"] == r["planner"] for r in rows.values()), "differences": differences,
         "uneven": placed["uneven"], "refused": planned["refused"], "per_element": placed["per_element"],
+        "kv_measured": "contiguous" if serving_refused else "serving", "serving_refused": serving_refused,
     }
 
 
