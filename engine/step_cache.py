@@ -126,6 +126,9 @@ class StepCache:
         self._lock = threading.Lock()  # prepare_all builds in threads
         self.loaded = 0  # executables read from disk
         self.built = 0  # executables traced and compiled here
+        # Fresh compiles XLA could not serialize (they run, and the next start compiles them
+        # again); seen on XLA:CPU once in a CI worker: "`LessThan` is not serializable".
+        self.unstored = 0
 
     def __contains__(self, signature: Hashable) -> bool:
         """Whether the step of ``signature`` is ready in memory (its first call is over)."""
@@ -187,8 +190,9 @@ class StepCache:
         compiled = fn.lower(*args, **static, **kwargs).compile()
         with self._lock:
             self.built += 1
-        if path is not None and _persistent_hits == hits:  # a fresh compile (see _PERSISTENT_HIT)
-            self._write(path, compiled)
+        if path is not None and _persistent_hits == hits and not self._write(path, compiled):
+            with self._lock:  # a fresh compile (see _PERSISTENT_HIT) that could not be stored
+                self.unstored += 1
         return compiled
 
     @staticmethod
@@ -203,7 +207,8 @@ class StepCache:
             return None
 
     @staticmethod
-    def _write(path: Path, compiled: Any) -> None:
+    def _write(path: Path, compiled: Any) -> bool:
+        """Store ``compiled`` at ``path``; False (and a warning) where it cannot be serialized."""
         try:
             data = pickle.dumps(serialize_executable.serialize(compiled))
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,5 +216,7 @@ class StepCache:
             partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")
             partial.write_bytes(data)
             os.replace(partial, path)
+            return True
         except Exception as e:  # a step that cannot be stored still runs; the next start compiles it
             log.warning("compiled step %s not stored (%s)", path.name, e)
+            return False

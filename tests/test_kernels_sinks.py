@@ -24,11 +24,11 @@ from dayzero.kernels import (KernelError, flash_attention, flash_attention_palla
 from dayzero.kernels.check import triton_calls
 from dayzero.kernels.flash_attention import FlashBlocks
 from tests.test_kernels_attention import (HEADS, INTERPRET, SPLITS, TOL, WIDE_SPLITS, assert_close, flash_inputs,
-                                          normal, paged_inputs, quick_compiles, ragged_rows, run)
+                                          normal, paged_inputs, ragged_rows, run)
 
 SDS = jax.ShapeDtypeStruct
 ON_GPU = jax.default_backend() == "gpu"
-assert quick_compiles  # test_kernels_attention's autouse fixture, active here by this import
+pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
 
 def head_sinks(rng, N, none_last=False):

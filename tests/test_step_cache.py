@@ -96,7 +96,9 @@ def test_executable_read_from_jax_cache_is_not_stored(tmp_path):
 
 def test_serving_warm_start_reads_every_step(tiny_model, steps_dir, monkeypatch):
     """A serving engine's warm-up on a fresh process state (a new in-memory cache) reads every
-    step its first warm-up built, and serves the same tokens."""
+    step its first warm-up built and stored, and serves the same tokens. (Steps XLA cannot
+    serialize are compiled again, and counted: seen once in a CI worker, two sampling-sized steps
+    "`LessThan` is not serializable", not reproduced alone.)"""
     from dayzero.engine import ServingConfig, ServingEngine, paged_steps
 
     engine = Engine.load(tiny_model.dir, progress=False)
@@ -112,7 +114,9 @@ def test_serving_warm_start_reads_every_step(tiny_model, steps_dir, monkeypatch)
     tokens, cold = start()
     assert cold.built > 0  # (a few signatures are one program: their later calls read its file)
     again, warm = start()
-    assert (warm.built, warm.loaded) == (0, cold.built + cold.loaded) and again == tokens
+    assert cold.unstored <= 2 and warm.unstored == cold.unstored
+    assert (warm.built, warm.loaded) == (cold.unstored, cold.built + cold.loaded - cold.unstored)
+    assert again == tokens
 
 
 def test_source_digest_covers_the_package_modules_only():

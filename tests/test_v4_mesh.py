@@ -59,6 +59,7 @@ def test_refusal_of_published_configs(name, tensor, ok):
     assert (mesh_refusal(load_preset(name), {"tensor": tensor}) is None) == ok
 
 
+@pytest.mark.slow  # a 17 s subprocess on 8 faked devices (CI suite time); the whole-model mesh tests are slow too
 def test_attention_block_on_mesh_matches_one_device(config):
     """The CSA block (indexer, compressor, window ring) through its cache on data=4 x tensor=2,
     a ragged chunk then another reading what the first wrote: one device's outputs."""
