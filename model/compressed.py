@@ -179,8 +179,7 @@ def _index(w: CompressedAttnWeights, config: ModelConfig, x: jax.Array, q_latent
     masks over [cached entries, new entries] (in the order of ``_entry_masks``)."""
     T = x.shape[1]
     state = None if layer_cache is None else layer_cache.index_state
-    keys, ids, state = compressor.compress(w.indexer.compressor, config, x, state, starts, num_new, ratio,
-                                           config.compressed.index_head_dim, True)
+    keys, ids, state = compressor.index_keys(w.indexer, config, x, state, starts, num_new, ratio)
     cached = None if layer_cache is None else layer_cache.index_keys
     positions = starts[:, None] + jnp.arange(T)[None, :]
     read = as_stored(keys, cached)
