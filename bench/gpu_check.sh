@@ -22,7 +22,7 @@ mkdir -p /tmp/dayzero_path && ln -sfn "$PWD" /tmp/dayzero_path/dayzero
 export PYTHONPATH="/tmp/dayzero_path${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 python3 -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$out/gpu.txt"
-timeout 200 python3 -m pytest -q -rs -o addopts="" tests/test_kernels.py tests/test_kernels_attention.py tests/test_kernels_quant.py tests/test_kernels_sinks.py 2>&1 | tee "$out/tests.log"
+timeout 200 python3 -m pytest -q -rs -o addopts="" tests/test_kernels.py tests/test_kernels_attention.py tests/test_kernels_quant.py tests/test_kernels_sinks.py tests/test_kernels_delta.py::test_compiled_kernels_match_reference_on_gpu 2>&1 | tee "$out/tests.log"
 # The expert-parallel MoE block on its GPU exchange, jax.lax.ragged_all_to_all (XLA:CPU cannot
 # compile it), compiled and run against the one-device block. This machine has one GPU and GPU
 # devices cannot be faked, so the mesh is expert=1: the op runs over a single participant, which

@@ -342,6 +342,10 @@ def hf_name_map(c: ModelConfig) -> NameMap:
         from dayzero.convert.name_map_v4 import v4_name_map
 
         return v4_name_map(c)
+    if c.linear is not None:  # the linear-attention hybrids' spellings (dayzero.convert.name_map_linear)
+        from dayzero.convert.name_map_linear import linear_name_map
+
+        return linear_name_map(c)
     if c.family is Family.GPT_OSS:  # its experts have one layout only
         return NameMap(_hf_recipes(c, _hf_gpt_oss_experts), ignored)
     fused = (_hf_recipes(c, _hf_fused_experts),) if c.moe is not None else ()

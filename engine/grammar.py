@@ -17,8 +17,6 @@ brace, before any EOS is sampled), or after an EOS where the grammar could have 
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from dayzero.engine.sampling import mask_words

@@ -51,6 +51,7 @@ from dayzero.kernels import KernelMode
 from dayzero.model.compressed_slots import SlotCache, append_to_slots, init_slot_cache, slot_cache_specs
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
+from dayzero.model.linear_cache import HybridCache
 from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, paged_cache_specs, with_written
 from dayzero.model.parallel import Parallel
 from dayzero.model.transformer import forward
@@ -76,7 +77,9 @@ class ServingConfig:
     (``dayzero.model.kernel_attention``). slot_cache: set by ``resolve`` from the model, whatever
     given: True for DeepSeek-V4, whose cache is held per slot (``max_context`` tokens each) rather
     than in pages: ``num_pages``, ``page_size`` and ``min_table_pages`` do not apply, admission
-    needs a free slot only, and there is no prefix cache (see ``resolve``).
+    needs a free slot only, and there is no prefix cache (see ``resolve``). A linear-attention
+    hybrid is paged (its attention layers) and keeps one row of linear-layer states per slot
+    beside the pages (``dayzero.model.linear_cache``); it has no prefix cache either.
     """
 
     slots: int = 8
@@ -133,7 +136,12 @@ class ServingConfig:
         run = self.run_for(model, run)
         check_paged(model, run)
         check_page_pool(run, model, pages, self.page_size)
-        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=run.kernels, slot_cache=False)
+        # A hybrid's linear layers keep one state per slot beside the pages. No prefix cache for
+        # them: a hit would have to restore each linear layer's state as it was at the page
+        # boundary, which nothing snapshots, so a shared prefix is computed again.
+        prefix = self.prefix_cache and model.linear is None
+        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=run.kernels, slot_cache=False,
+                                   prefix_cache=prefix)
 
     def run_for(self, model: ModelConfig, run: RunConfig | None = None) -> RunConfig:
         """The run configuration serving runs with: ``run`` (default: the platform's choices on
@@ -353,14 +361,15 @@ class PagedSteps:
         if serving.slot_cache:
             specs = slot_cache_specs(config, serving.slots, serving.max_context, kv_quant=run.kv_cache)
         else:
-            specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache)
+            specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache,
+                                      state_slots=serving.slots)
         self.layout = None if run.placement is None else run.placement.shardings(specs)
         self.sample_layout = None if run.placement is None else run.placement.replicated()
         if serving.slot_cache:
             self.pool = init_slot_cache(config, serving.slots, serving.max_context, dtype, run.kv_cache, self.layout)
         else:
             self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=dtype,
-                                         kv_quant=run.kv_cache, shardings=self.layout)
+                                         kv_quant=run.kv_cache, shardings=self.layout, state_slots=serving.slots)
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
         self.samplings_run: set[tuple[int, SamplingMode, bool, int]] = set()  # (B, mode, masked, top) of each
         self.compile_s = 0.0  # seconds of the first call of each step shape (compile, then run)
@@ -371,15 +380,18 @@ class PagedSteps:
         return sum(x.nbytes for x in jax.tree.leaves(self.pool) if x.ndim >= 3)
 
     def run_step(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
-                 width: int | None) -> jax.Array:
+                 width: int | None, slots: np.ndarray | None = None) -> jax.Array:
         """Forward ``tokens`` [B,T] (``num_new`` real per row) after each row's ``lengths``
         cached positions, write their keys/values into the pages of ``tables`` [B, full width]
         and return the logits of each row's last real token [B,V] (on the device).
 
         ``width``: the table width the attention reads (None: nothing cached, read nothing).
+        ``slots`` [B]: each row's serving slot, whose state rows a linear-attention hybrid reads
+        and writes (default: slot 0 for every row; ignored by other models).
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
+        tables = self._slotted(tables, slots)
         fn, signature, args, static = self._forward_call(tokens, num_new, lengths, tables, width)
         with self._compiling(signature) as done:
             if fn is _forward_in_place:
@@ -419,12 +431,22 @@ class PagedSteps:
             jax.block_until_ready(results)
             self.compile_s += time.perf_counter() - start
 
-    def _with_rows(self, tables: np.ndarray, lengths: np.ndarray):
+    def _slotted(self, tables: np.ndarray, slots: np.ndarray | None):
+        """A hybrid's step tables: ``(block tables, slots)``; other models' tables as they are."""
+        if not isinstance(self.pool, HybridCache):
+            return tables
+        return tables, np.zeros(len(tables), np.int32) if slots is None else np.asarray(slots, np.int32)
+
+    def _with_rows(self, tables, lengths: np.ndarray):
         """The pool with these rows' block tables (with a slot cache: slot indices, the tables'
-        first column) and lengths, as a step's input."""
+        first column; a hybrid's: (block tables, slots)) and lengths, as a step's input."""
         lengths = self._host(np.asarray(lengths, np.int32))
         if self.serving.slot_cache:
             return self.pool.replace(slots=self._host(np.asarray(tables, np.int32)[:, 0]), lengths=lengths)
+        if isinstance(self.pool, HybridCache):
+            tables, slots = tables
+            return self.pool.with_rows(block_tables=self._host(np.asarray(tables, np.int32)), lengths=lengths,
+                                       slots=self._host(slots))
         return self.pool.replace(block_tables=self._host(np.asarray(tables, np.int32)), lengths=lengths)
 
     def reads_in_place(self, width: int | None) -> bool:
@@ -434,13 +456,18 @@ class PagedSteps:
 
     def forward_args(self, tokens, num_new, lengths, tables, width) -> tuple:
         """(tokens, num_new, cache to read) of a step's forward call (``run_step``), as step inputs."""
-        read = None if width is None else self._with_rows(tables[:, :width], lengths)
+        if width is None:
+            read = None
+        elif isinstance(tables, tuple):  # a hybrid's (block tables, slots)
+            read = self._with_rows((tables[0][:, :width], tables[1]), lengths)
+        else:
+            read = self._with_rows(tables[:, :width], lengths)
         return self._host(np.asarray(tokens, np.int32)), self._host(np.asarray(num_new, np.int32)), read
 
     def forward_temp_bytes(self, B: int, T: int, width: int | None) -> int:
         """Temporary device memory XLA plans for the forward call of shape (B, T, width): the
         step's working memory beyond weights, pool and outputs."""
-        tables = np.zeros((B, self.serving.max_table_pages), np.int32)
+        tables = self._slotted(np.zeros((B, self.serving.max_table_pages), np.int32), None)
         args = self.forward_args(np.zeros((B, T)), np.zeros(B), np.zeros(B), tables, width)
         compiled = _forward_logits.lower(self.weights, *args, config=self.config, parallel=self.parallel).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)

@@ -156,14 +156,24 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
 
 
 def _model_kernels(model: ModelConfig, mode: KernelMode, requested: KernelMode | str | None) -> KernelMode:
-    """``mode`` for this model: DeepSeek-V4's compressed attention has no kernel path yet, so
-    ``auto`` means the reference path there and a kernel asked for by name is refused."""
-    if model.compressed is None or mode is KernelMode.REFERENCE:
+    """``mode`` for this model: DeepSeek-V4's compressed attention has no kernel path yet, and a
+    hybrid's linear layers run the delta-rule kernels only at the sizes they tile, so for those
+    ``auto`` means the reference path and a kernel asked for by name is refused."""
+    if mode is KernelMode.REFERENCE:
+        return mode
+    reason = None
+    if model.compressed is not None:
+        reason = "DeepSeek-V4's compressed attention has no kernel path yet (its reference path runs)"
+    elif model.linear is not None:
+        from dayzero.kernels.delta_rule import pallas_size_refusal
+
+        lc = model.linear
+        reason = pallas_size_refusal(lc.k_head_dim, lc.v_head_dim, lc.chunk, mode is KernelMode.PALLAS_INTERPRET)
+    if reason is None:
         return mode
     if _spelled(requested) == "auto":
         return KernelMode.REFERENCE
-    raise RunConfigError(f"--kernels {_spelled(requested)}: DeepSeek-V4's compressed attention has no kernel path "
-                         "yet (its reference path runs); use --kernels reference or auto")
+    raise RunConfigError(f"--kernels {_spelled(requested)}: {reason}; use --kernels reference or auto")
 
 
 def check_paged(model: ModelConfig, run: RunConfig) -> None:

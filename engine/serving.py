@@ -416,7 +416,8 @@ class ServingEngine:
         T, W, n = self._chunk(r)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = r.tokens[start : start + n]
-        logits = self.steps.run_step(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W)
+        logits = self.steps.run_step(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W,
+                                     np.array([r.slot]))
         self._written(r, n)
         self.stats.prefill_tokens += n
         self.stats.prefill_chunks += 1
@@ -429,11 +430,12 @@ class ServingEngine:
         """One token for every decoding request: their rows packed into the smallest decode batch
         (padding rows carry no token), so a step costs what its requests need, not all slots."""
         B = self.config.decode_batch(len(decoding))
-        tokens, num_new, lengths, steps = (np.zeros(B, np.int32) for _ in range(4))
+        tokens, num_new, lengths, steps, slots = (np.zeros(B, np.int32) for _ in range(5))
         for row, r in enumerate(decoding):
             tokens[row], num_new[row], lengths[row], steps[row] = r.tokens[-1], 1, r.computed, r.generated
+            slots[row] = r.slot
         width = self.config.table_width(max(self.config.pages_for(r.computed + 1) for r in decoding))
-        logits = self.steps.run_step(tokens[:, None], num_new, lengths, self._tables(decoding, B), width)
+        logits = self.steps.run_step(tokens[:, None], num_new, lengths, self._tables(decoding, B), width, slots)
         for r in decoding:
             self._written(r, 1)
         self.stats.decode_steps += 1

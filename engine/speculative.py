@@ -102,7 +102,8 @@ def speculative_refusal(config: ModelConfig, run: RunConfig) -> str | None:
     The verify step is the contiguous-cache forward on one device, so refused are: the Pallas
     kernels (generation runs on the paged cache there, which has no verify step yet), a mesh
     (the step's outputs are not pinned to mesh layouts yet), DeepSeek-V4's compressed attention
-    (a rejected draft has already advanced its window ring and compressor states), and
+    (a rejected draft has already advanced its window ring and compressor states), the
+    linear-attention hybrids (likewise their recurrent and convolution states), and
     dynamic-NTK RoPE (its frequencies depend on the longest position seen, which the drafts would
     move: not lossless).
     """
@@ -113,6 +114,9 @@ def speculative_refusal(config: ModelConfig, run: RunConfig) -> str | None:
         return "speculative decoding runs on one device only, not on a --mesh; drop --mesh or --speculative"
     if config.compressed is not None:
         return ("speculative decoding cannot roll back DeepSeek-V4's window ring and compressor states past a "
+                "rejected draft yet; drop --speculative for this model")
+    if config.linear is not None:
+        return ("speculative decoding cannot roll back the linear-attention layers' recurrent states past a "
                 "rejected draft yet; drop --speculative for this model")
     if config.rope.type is RopeType.DYNAMIC:
         return ("speculative decoding is not lossless with dynamic-NTK RoPE (draft positions would change the "

@@ -137,6 +137,10 @@ def cache_specs(config: ModelConfig, batch: int, max_len: int,
         from dayzero.model import compressed_cache
 
         return compressed_cache.cache_specs(config, batch, max_len, kv_quant)
+    if config.linear is not None:  # a hybrid: KV rows for the attention layers, states for the linear ones
+        from dayzero.model.linear_cache import attention_config, hybrid_specs
+
+        return hybrid_specs(config, cache_specs(attention_config(config), batch, max_len, kv_quant), batch)
     lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
     rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
     layers = range(config.num_layers)
@@ -255,10 +259,12 @@ def append_to_cache(cache: KVCache | LatentCache, new: NewKV | NewLatent) -> KVC
     Jit it with the cache donated (and apart from ``forward``, see the module docstring). The
     cache must have room: ``max(lengths) + T <= max_len``, or the write would be clamped.
     """
-    if not isinstance(cache, (KVCache, LatentCache)):  # DeepSeek-V4's CompressedCache
-        from dayzero.model import compressed_cache
+    if not isinstance(cache, (KVCache, LatentCache)):
+        from dayzero.model import compressed_cache, linear_cache
 
-        return compressed_cache.append(cache, new)
+        if isinstance(cache, linear_cache.HybridCache):
+            return linear_cache.append_states(cache, new, append_to_cache(cache.attn, new.attn))
+        return compressed_cache.append(cache, new)  # DeepSeek-V4's CompressedCache
     starts = cache.lengths
     if isinstance(cache, LatentCache):
         latent = tuple(_write_rows(c, n, starts, 1) for c, n in zip(cache.latent, new.latent))

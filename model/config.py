@@ -42,6 +42,15 @@ class Family(enum.Enum):
     # entries (CompressedConfig), hyper-connection residual streams (HyperConfig), sqrt-softplus
     # routing with hash-routed first layers
     DEEPSEEK_V4 = "deepseek_v4"
+    # Qwen3-Next: Gated DeltaNet layers (LinearAttnConfig) between gated full-attention layers
+    # (an output gate from q_proj, zero-centred norms, partial RoPE), MoE with a gated shared expert
+    QWEN3_NEXT = "qwen3_next"
+    # Qwen3.5 (the text model of qwen3_5 / qwen3_5_moe): Qwen3-Next's layers, unfused projections
+    QWEN3_5 = "qwen3_5"
+    QWEN3_5_MOE = "qwen3_5_moe"
+    # Kimi-Linear: Kimi Delta Attention layers between latent-attention layers without RoPE,
+    # DeepSeek-V3 routing
+    KIMI_LINEAR = "kimi_linear"
 
 
 class AttentionKind(enum.Enum):
@@ -53,6 +62,13 @@ class AttentionKind(enum.Enum):
     # DeepSeek-V4: a sliding window of one key=value head plus compressed entries per layer kind
     # (``dayzero.model.compressed``)
     COMPRESSED = "compressed"
+
+
+class LinearKind(enum.Enum):
+    """Which linear-attention recurrence a hybrid model's linear layers run (``dayzero.model.linear_attn``)."""
+
+    GATED_DELTA = "gated_delta"  # Gated DeltaNet (Qwen3-Next, Qwen3.5): one decay per value head
+    KIMI_DELTA = "kimi_delta"  # Kimi Delta Attention (Kimi-Linear): one decay per head and key channel
 
 
 class RopeType(enum.Enum):
@@ -130,6 +146,11 @@ class MoEConfig:
     groups_per_token: int = 1  # topk_group: groups ranked by the sum of their two best scores
     routed_scaling: float = 1.0  # routed_scaling_factor, applied to the routed experts' weights
     shared_experts: int = 0  # n_shared_experts: a dense SwiGLU of width shared_experts * F added
+    # The shared SwiGLU's width when it is not a multiple of F (Qwen3-Next's
+    # shared_expert_intermediate_size; needs shared_experts >= 1). 0: shared_experts * F.
+    shared_intermediate_size: int = 0
+    # The shared expert's output scaled per token by sigmoid(x . w) (Qwen3-Next's shared_expert_gate).
+    shared_gate: bool = False
     router_bias: bool = False  # a learned [E] bias added to the router logits (gpt-oss)
     expert_bias: bool = False  # biases on each expert's gate/up [E,F] and down [E,D] (gpt-oss)
     swiglu_limit: float | None = None  # clamp of the experts' gate (above) and up (both sides)
@@ -140,11 +161,20 @@ class MoEConfig:
     # scores; the weights are still the chosen experts' scores. Empty: no hash-routed layer.
     hash_layers: tuple[bool, ...] = ()
 
+    @property
+    def shared_width(self) -> int:
+        """Width of the shared experts' one SwiGLU (0: none)."""
+        if not self.shared_experts:
+            return 0
+        return self.shared_intermediate_size or self.shared_experts * self.intermediate_size
+
     def __post_init__(self):
         hashed = tuple(bool(h) for h in self.hash_layers)
         object.__setattr__(self, "hash_layers", hashed if any(hashed) else ())
         if self.hash_layers and len(self.hash_layers) != len(self.layers):
             raise ConfigError(f"{len(self.hash_layers)} hash-routing flags given for {len(self.layers)} layers")
+        if (self.shared_gate or self.shared_intermediate_size) and not self.shared_experts:
+            raise ConfigError("a shared expert gate or width needs shared_experts >= 1")
         if self.swiglu_limit is not None and not self.swiglu_limit > 0:
             raise ConfigError(f"swiglu_limit={self.swiglu_limit} must be positive (or null for no clamp)")
         if not 1 <= self.experts_per_token <= self.num_experts:
@@ -183,6 +213,9 @@ class MLAConfig:
     # DeepSeek's checkpoints keep each rotary pair adjacent (x0, x1), (x2, x3), ... (HF's
     # rope_interleave); False: the half-split pairs of Llama.
     rope_interleave: bool = True
+    # Kimi-Linear: the "rope" parts of queries and keys are never rotated (latent attention
+    # without positions; the linear layers carry order).
+    nope: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,6 +317,59 @@ class HyperConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LinearAttnConfig:
+    """The linear-attention layers of a hybrid model (``dayzero.model.linear_attn``).
+
+    A linear layer projects queries and keys to ``num_k_heads`` heads of ``k_head_dim`` and values
+    to ``num_v_heads`` heads of ``v_head_dim`` (each query/key head serves num_v_heads /
+    num_k_heads consecutive value heads), runs each through a depthwise causal convolution of
+    ``conv_kernel`` taps and SiLU, L2-normalises queries and keys and runs the gated delta rule:
+    per value head a state S [k_head_dim, v_head_dim], decayed by exp(g) (one g per head for
+    GATED_DELTA, one per key channel for KIMI_DELTA), corrected towards v by beta * k, read by q.
+    Its cache is that state (float32) and the convolutions' last conv_kernel - 1 inputs: fixed
+    size, whatever the context. ``chunk``: tokens per chunk of the chunked (prefill) form.
+    """
+
+    kind: LinearKind
+    layers: tuple[bool, ...]  # per decoder layer: True for a linear-attention layer
+    num_k_heads: int  # Hk
+    num_v_heads: int  # Hv
+    k_head_dim: int  # dk
+    v_head_dim: int  # dv
+    conv_kernel: int = 4
+    chunk: int = 64
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", LinearKind(self.kind))
+        object.__setattr__(self, "layers", tuple(bool(x) for x in self.layers))
+        for name in ("num_k_heads", "num_v_heads", "k_head_dim", "v_head_dim", "chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"linear_conv_kernel_dim={self.conv_kernel} must be at least 2")
+        if self.num_v_heads % self.num_k_heads:
+            raise ConfigError(f"linear_num_value_heads={self.num_v_heads} must be a multiple of "
+                              f"linear_num_key_heads={self.num_k_heads}")
+        if self.kind is LinearKind.KIMI_DELTA and (self.num_k_heads != self.num_v_heads
+                                                   or self.k_head_dim != self.v_head_dim):
+            raise ConfigError("Kimi Delta Attention has one head count and one head dim for queries, keys and values")
+
+    def is_linear(self, i: int) -> bool:
+        """Whether decoder layer ``i`` is a linear-attention layer."""
+        return self.layers[i]
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The decoder layers with (full) attention, in order: the layers the KV cache holds."""
+        return tuple(i for i, lin in enumerate(self.layers) if not lin)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The linear-attention layers, in order: the layers the state cache holds."""
+        return tuple(i for i, lin in enumerate(self.layers) if lin)
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a decoder-only transformer (dimension letters as in DESIGN.md).
 
@@ -324,6 +410,15 @@ class ModelConfig:
     mtp_layers: int = 0
     compressed: CompressedConfig | None = None  # set iff attention is COMPRESSED (DeepSeek-V4)
     hyper: HyperConfig | None = None  # hyper-connection residual streams (None: one plain residual)
+    # Linear-attention hybrids (Qwen3-Next, Qwen3.5, Kimi-Linear): which layers are linear and
+    # their shapes; the other layers attend as ``attention`` says.
+    linear: LinearAttnConfig | None = None
+    # Added to every RMSNorm weight of the decoder (layer norms, q/k norms, final norm) in fp32:
+    # Qwen3-Next stores its norms zero-centred and scales by (1 + w).
+    norm_weight_offset: float = 0.0
+    # The query projection also gives a gate per head and dim: the attention output is scaled by
+    # sigmoid(gate) before ``o`` (Qwen3-Next's full-attention layers).
+    attn_output_gate: bool = False
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -367,8 +462,17 @@ class ModelConfig:
                 f"partial_rotary_factor={self.rope.partial_rotary_factor} rotates {rotary} of head_dim="
                 f"{self.head_dim} dims; it must be in (0, 1] and rotate an even number >= 2 of them"
             )
+        if self.linear is not None and (len(self.linear.layers) != self.num_layers or all(self.linear.layers)
+                                        or self.compressed is not None):
+            raise ConfigError(
+                f"{len(self.linear.layers)} linear-layer flags given for {self.num_layers} layers; give one per "
+                "layer with at least one full-attention layer (and no compressed attention)")
         if self.moe is not None and len(self.moe.layers) != self.num_layers:
             raise ConfigError(f"{len(self.moe.layers)} MoE layer flags given for {self.num_layers} layers")
+
+    def is_linear_layer(self, i: int) -> bool:
+        """Whether decoder layer ``i`` is a linear-attention layer of a hybrid model."""
+        return self.linear is not None and self.linear.layers[i]
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether decoder layer ``i`` has a Mixture-of-Experts block instead of the dense MLP."""
@@ -382,6 +486,8 @@ class ModelConfig:
         d["attention"] = self.attention.value
         if self.moe is not None:
             d["moe"]["score"] = self.moe.score.value
+        if self.linear is not None:
+            d["linear"]["kind"] = self.linear.kind.value
         if self.compressed is not None:
             d["compressed"]["kinds"] = [k.value for k in self.compressed.kinds]
             d["compressed"]["compress_rope"]["type"] = self.compressed.compress_rope.type.value
@@ -406,6 +512,7 @@ class ModelConfig:
             compressed = CompressedConfig(**{**compressed, "kinds": tuple(compressed["kinds"]),
                                              "compress_rope": RopeConfig(**crope)})
         hyper = d.pop("hyper", None)
+        linear = d.pop("linear", None)
         return cls(
             family=Family(d.pop("family")),
             rope=RopeConfig(**rope),
@@ -417,5 +524,6 @@ class ModelConfig:
             dsa=None if dsa is None else DSAConfig(**dsa),
             compressed=compressed,
             hyper=None if hyper is None else HyperConfig(**hyper),
+            linear=None if linear is None else LinearAttnConfig(**{**linear, "layers": tuple(linear["layers"])}),
             **d,
         )

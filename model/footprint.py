@@ -14,6 +14,11 @@ read from the engine's own declarations, so the planner sizes what the engine wo
   keep ``latent_pages`` whole). Not ``cache_specs``' contiguous cache (``Engine.generate``'s,
   whose latent positions split over ``tensor``): a deployment serves from the pools. The block
   tables, lengths and ``rope_len`` are not counted: small int32 host inputs of each step;
+- a linear-attention hybrid's KV: the pages of its attention layers only, plus its linear layers'
+  state pool (a ``LinearState`` per layer and slot: conv inputs and the fp32 recurrent state, one
+  row per batch row whatever the context, value heads split over ``tensor``). The transient
+  buffers are still sized as if every layer were an attention layer (an over-estimate for the
+  linear layers, whose chunked form holds [chunk, chunk] per head, not [T, S]);
 - DeepSeek-V4's KV instead: the serving engine's slot cache, a replica's rows of
   ``compressed_cache.cache_specs`` (window rings, compressed entries, index keys, compressor
   states), laid out by their own axes; V4's steps too are counted in ``model.footprint_v4``;
@@ -187,8 +192,12 @@ def _weight_tensors(config: ModelConfig, quant: QuantConfig, dtype: str, ways: t
 def _cache_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, context: int,
                    page_size: int) -> tuple[Tensor, ...]:
     per_row = -(-context // page_size)
-    specs = paged_cache_specs(config, rows * per_row, page_size, batch=rows, table_width=per_row, kv_quant=kv)
-    pools = specs.replace(block_tables=None, lengths=None, rope_len=None)  # host inputs (module docstring)
+    specs = paged_cache_specs(config, rows * per_row, page_size, batch=rows, table_width=per_row, kv_quant=kv,
+                              state_slots=rows)
+    if config.linear is not None:  # a hybrid: the attention layers' pages, and a state row per slot
+        pages = specs.attn.replace(block_tables=None, lengths=None, rope_len=None)  # host inputs (module docstring)
+        return tuple(_tensors(specs.replace(attn=pages, slots=None), dtype, Component.KV_CACHE, Component.KV_SCALES))
+    pools = specs.replace(block_tables=None, lengths=None, rope_len=None)
     return tuple(_tensors(pools, dtype, Component.KV_CACHE, Component.KV_SCALES))
 
 

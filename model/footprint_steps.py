@@ -410,9 +410,9 @@ def _moe_collectives(c: ModelConfig, st: Step) -> list[Collective]:
     m, D, k, layers = c.moe, c.hidden_size, st.k, _moe_layers(c)
     C, F = m.experts_per_token, m.intermediate_size
     out = []
-    if m.shared_experts:
+    if m.shared_width:
         out.append(Collective("shared experts' down projection: partial sums over the width split", Op.ALL_REDUCE,
-                              "ffw", m.shared_experts * F, (st.B, st.T, D), (None, None, None), k, layers))
+                              "ffw", m.shared_width, (st.B, st.T, D), (None, None, None), k, layers))
     if st.expert == 1:
         routed = ((st.tokens * C, D), (None, None))
         out.append(Collective("routed rows through width-split experts: partial sums (expert loop)", Op.ALL_REDUCE,

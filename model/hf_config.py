@@ -564,9 +564,29 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
+def fold_aliases(raw: dict[str, Any], aliases: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """``raw`` with each (alias, name) of HF's ``attribute_map`` folded into the name the parser
+    reads: an alias set to null is dropped, one that disagrees with its name is refused."""
+    raw = dict(raw)
+    for alias, name in aliases:
+        if raw.get(alias) is None:
+            raw.pop(alias, None)
+            continue
+        if raw.get(name) is not None and raw[name] != raw[alias]:
+            raise ConfigError(f"{alias}={raw[alias]!r} and {name}={raw[name]!r} disagree (HF reads the first as the "
+                              "second); keep one of them")
+        raw[name] = raw.pop(alias)
+    return raw
+
+
 def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
     """Build a :class:`ModelConfig` from an HF config dict, refusing anything it would get wrong."""
     model_type = raw.get("model_type")
+    # Linear-attention hybrids (Qwen3-Next, Qwen3.5 and its text model_types, Kimi-Linear): their module.
+    from dayzero.model.hf_config_linear import LINEAR_MODEL_TYPES, parse_linear_config
+
+    if model_type in LINEAR_MODEL_TYPES:
+        return parse_linear_config(raw)
     try:
         family = Family(model_type)
     except ValueError:

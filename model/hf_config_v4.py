@@ -32,7 +32,7 @@ from dayzero.model.config import (
 )
 from dayzero.model.hf_config import (
     _DEEPSEEK_TRAINING_ONLY, _MOE_TRAINING_ONLY, _REQUIRED_VALUES, _Reader, _Traits, _parse_rope, _token_ids,
-    fp8_block_size,
+    fold_aliases, fp8_block_size,
 )
 
 _CSA, _HCA = CompressKind.CSA.value, CompressKind.HCA.value
@@ -83,7 +83,7 @@ _ROPE_TRAITS = _Traits(partial_rotary=True)
 def parse_v4_config(raw: dict[str, Any]) -> ModelConfig:
     """Build the :class:`ModelConfig` of a ``deepseek_v4`` config dict, refusing anything that
     HF's implementation would compute differently from what the file says (module docstring)."""
-    raw = _resolve_aliases(raw)
+    raw = fold_aliases(raw, _ALIASES)
     filled = {k: v for k, v in _DEFAULTS.items() if raw.get(k) is None}
     r = _Reader({**raw, **filled})
     r.seen.update(filled)  # HF's defaults, not the file's keys
@@ -130,17 +130,6 @@ def parse_v4_config(raw: dict[str, Any]) -> ModelConfig:
     return config
 
 
-def _resolve_aliases(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with HF's attribute_map aliases folded into the names this parser reads."""
-    raw = dict(raw)
-    for alias, name in _ALIASES:
-        if raw.get(alias) is None:
-            continue
-        if raw.get(name) is not None and raw[name] != raw[alias]:
-            raise ConfigError(f"{alias}={raw[alias]!r} and {name}={raw[name]!r} disagree (HF reads the first as the "
-                              "second); keep one of them")
-        raw[name] = raw.pop(alias)
-    return raw
 
 
 def _check_fixed(r: _Reader) -> None:

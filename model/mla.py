@@ -67,7 +67,10 @@ def _queries(w: MLAWeights, x: jax.Array) -> tuple[jax.Array, jax.Array | None]:
 
 
 def _rope(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotate the rope part [B,T,heads,R], from DeepSeek's interleaved pairs if the model uses them."""
+    """Rotate the rope part [B,T,heads,R], from DeepSeek's interleaved pairs if the model uses them
+    (left as it is without positions: Kimi-Linear's ``nope``)."""
+    if config.mla.nope:
+        return x
     if config.mla.rope_interleave:
         x = deinterleave(x)
     return apply_rope(x, *cos_sin)

@@ -381,6 +381,16 @@ def moe(w: MoEWeights, config: MoEConfig, x: jax.Array, impl: GroupedMatmul | No
     unsort = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     per_pair = ys[unsort].reshape(B * T, C, D)
     out = jnp.einsum("ncd,nc->nd", per_pair, weights.astype(x.dtype))
-    if w.shared is not None:  # with config's gating too: DeepSeek-V4's shared expert is clamped as the routed ones
-        out = out + swiglu(rows, w.shared.gate, w.shared.up, w.shared.down, config)
+    if w.shared is not None:
+        out = out + shared_experts(w, config, rows)
     return out.reshape(B, T, D)
+
+
+def shared_experts(w: MoEWeights, config: MoEConfig, rows: jax.Array) -> jax.Array:
+    """The always-on experts' output on ``rows`` [N,D]: one SwiGLU with the block's gating
+    (DeepSeek-V4's shared expert is clamped as the routed ones), scaled per row by
+    sigmoid(rows . shared_gate) where the model has that gate (Qwen3-Next)."""
+    out = swiglu(rows, w.shared.gate, w.shared.up, w.shared.down, config)
+    if w.shared_gate is not None:
+        out = out * jax.nn.sigmoid(rows @ w.shared_gate.astype(rows.dtype))[:, None]
+    return out

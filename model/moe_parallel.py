@@ -79,7 +79,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from dayzero.model.config import MoEConfig
-from dayzero.model.moe import GroupedMatmul, grouped_swiglu, route, sort_by_expert, swiglu
+from dayzero.model.moe import GroupedMatmul, grouped_swiglu, route, shared_experts, sort_by_expert
 from dayzero.model.parallel import Parallel
 from dayzero.model.quant import QuantError, QuantizedArray, reblocked
 from dayzero.model.weights import MoEWeights, aligned_block
@@ -444,7 +444,7 @@ def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Par
     N = B * T
     axis, ep, rows, valid, capacity = _split_tokens(config, x, par)
     ids = _split_ids(tokens if w.tid2eid is not None else None, x, rows.shape[0])
-    routed = _aligned_experts(w.replace(shared=None), par)  # the shared experts run outside, below
+    routed = _aligned_experts(w.replace(shared=None, shared_gate=None), par)  # the shared experts run outside, below
     specs, width_axis = _expert_specs(routed, par)
     body = functools.partial(
         _dispatch_local, config=config, axis=axis, ep=ep, capacity=capacity, width_axis=width_axis,
@@ -462,7 +462,7 @@ def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Par
     out, stats = result if with_stats else (result, None)
     out = out[:N]
     if w.shared is not None:  # always-on experts: a SwiGLU (the block's gating too), split like a dense MLP
-        out = out + swiglu(x.reshape(N, D), w.shared.gate, w.shared.up, w.shared.down, config)
+        out = out + shared_experts(w, config, x.reshape(N, D))
     out = out.reshape(B, T, D)
     return (out, stats) if with_stats else out
 

@@ -144,20 +144,27 @@ class PagedLatentCache:
 
 
 def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1,
-                      kv_quant: KVQuant = KVQuant.NONE) -> PagedKVCache | PagedLatentCache:
+                      kv_quant: KVQuant = KVQuant.NONE, state_slots: int = 1) -> PagedKVCache | PagedLatentCache:
     """The paged cache declared abstractly: a ``ParamSpec`` (shape, logical axes) at every leaf,
     as ``cache.cache_specs`` declares the contiguous cache, so the pool's shapes
     (:func:`init_paged_cache`) and its shardings on a mesh (``Placement.shardings``) come from one
     tree. Per-head pools split their kv heads as the contiguous cache does (``kv_heads``); the
     latent and indexer-key pools have no head axis: their page axis is ``latent_pages``, which
-    the rules keep whole (``sharding.rules`` says why). With ``kv_quant`` every pool is a ``QuantizedArray`` of values and a float32 scale per
-    (head,) page and slot, split with its values."""
+    the rules keep whole (``sharding.rules`` says why). With ``kv_quant`` every pool is a
+    ``QuantizedArray`` of values and a float32 scale per (head,) page and slot, split with its
+    values. A linear-attention hybrid gets a ``linear_cache.HybridCache``: pages for its attention
+    layers and a pool of ``state_slots`` rows of linear-layer states (one per serving slot)."""
     def pool(shape: tuple[int, ...], axes: tuple[str | None, ...]):
         return buffer_spec(shape, axes, len(shape) - 1, kv_quant)  # the channel is every pool's last axis
 
     if config.compressed is not None:
         raise ValueError("DeepSeek-V4's window rings, compressed entries and compressor states are not paged; "
                          "serve it with a slot cache (dayzero.model.compressed_slots.slot_cache_specs)")
+    if config.linear is not None:
+        from dayzero.model.linear_cache import attention_config, hybrid_specs
+
+        pages = paged_cache_specs(attention_config(config), num_pages, page_size, batch, table_width, kv_quant)
+        return hybrid_specs(config, pages, state_slots, batch)
     tables = ParamSpec((batch, table_width), ("batch", None), Init.ZEROS, jnp.dtype(jnp.int32))
     lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
     rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
@@ -176,15 +183,16 @@ def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch
 
 def init_paged_cache(
     config: ModelConfig, num_pages: int, page_size: int, batch: int = 1, table_width: int = 1, dtype=jnp.float32,
-    kv_quant: KVQuant = KVQuant.NONE, shardings=None,
+    kv_quant: KVQuant = KVQuant.NONE, shardings=None, state_slots: int = 1,
 ) -> PagedKVCache | PagedLatentCache:
     """A zeroed pool of ``num_pages`` pages of ``page_size`` positions per layer, with ``batch``
     empty rows whose tables are ``table_width`` wide (replace ``block_tables`` and ``lengths``
     to serve sequences). ``kv_quant``: store the pages quantized (see the module docstring).
     ``shardings``: a matching tree of shardings (``Placement.shardings`` of
-    :func:`paged_cache_specs`) to make each pool in place on its devices."""
+    :func:`paged_cache_specs`) to make each pool in place on its devices. ``state_slots``: the
+    rows of a hybrid's state pool."""
     return empty_from_specs(paged_cache_specs, config, num_pages, page_size, batch, table_width, kv_quant,
-                            jnp.dtype(dtype), shardings=shardings)
+                            state_slots, jnp.dtype(dtype), shardings=shardings)
 
 
 def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLatent) -> PagedKVCache | PagedLatentCache:
@@ -194,6 +202,10 @@ def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLate
     Every page a real token lands in must be in the row's table (the host allocates them
     first). Jit it with the cache donated, apart from ``forward``.
     """
+    if not isinstance(cache, (PagedKVCache, PagedLatentCache)):  # a hybrid: pages, then the state pool
+        from dayzero.model.linear_cache import append_states
+
+        return append_states(cache, new, append_to_pages(cache.attn, new.attn))
     T = (new.latent[0] if isinstance(new, NewLatent) else new.k[0]).shape[1]
     if isinstance(cache, PagedLatentCache):
         num_pages = cache.latent_pages[0].shape[0]
@@ -216,7 +228,11 @@ def kernel_view(cache: PagedKVCache | PagedLatentCache, num_new: jax.Array, mode
                 windows: tuple[int | None, ...], split: HeadSplit | None = None) -> PagedKernelCache:
     """``cache`` as a step on the kernels reads it (``mode`` resolved, not reference; ``windows``:
     each layer's sliding window; ``split``: the mesh the kernels run on, None for one device).
-    Quantized pools are handed over as they are: the kernels read their scale pages."""
+    Quantized pools are handed over as they are: the kernels read their scale pages. A hybrid's
+    view is its pages' view beside its states (``windows`` still one per decoder layer)."""
+    if not isinstance(cache, (PagedKVCache, PagedLatentCache)):
+        attn_windows = tuple(w for w, lin in zip(windows, cache.linear) if not lin)
+        return cache.replace(attn=kernel_view(cache.attn, num_new, mode, attn_windows, split))
     if isinstance(cache, PagedKVCache):
         pages = tuple(zip(cache.k_pages, cache.v_pages))
     elif cache.index_key_pages is None:
@@ -227,7 +243,12 @@ def kernel_view(cache: PagedKVCache | PagedLatentCache, num_new: jax.Array, mode
 
 
 def with_written(cache: PagedKVCache | PagedLatentCache, view: PagedKernelCache) -> PagedKVCache | PagedLatentCache:
-    """``cache`` holding the pages, lengths and ``rope_len`` of a kernel step's written ``view``."""
+    """``cache`` holding the pages, lengths and ``rope_len`` of a kernel step's written ``view``
+    (a hybrid's: its written pages' view and its rows' new states, a ``NewHybrid``)."""
+    if not isinstance(cache, (PagedKVCache, PagedLatentCache)):
+        from dayzero.model.linear_cache import append_states
+
+        return append_states(cache, view, with_written(cache.attn, view.attn))
     moved = dict(lengths=view.lengths, rope_len=view.rope_len)
     if isinstance(cache, PagedKVCache):
         return cache.replace(k_pages=tuple(p[0] for p in view.pages), v_pages=tuple(p[1] for p in view.pages),

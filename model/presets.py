@@ -22,6 +22,12 @@ would, so a preset is only ever a shortcut for a file (``dayzero plan --preset N
   ``DeepseekV4Config`` folds in: ``compress_ratios``, ``num_hash_layers``, ``qk_rope_head_dim``,
   the flat ``rope_scaling``). The planner sizes their cache as the serving engine's slot rows
   (``dayzero.model.footprint_v4``).
+- ``qwen3-next-80b-a3b``: Qwen3-Next-80B-A3B-Instruct (Gated DeltaNet hybrid, 512 experts, 10 per
+  token, a gated shared expert); ``qwen3.5-397b-a17b``: Qwen3.5-397B-A17B, the largest Qwen3.5 MoE,
+  in its published multimodal form (the text model under ``text_config``; the vision tower is left
+  out, issue #17); ``kimi-linear-48b-a3b``: Kimi-Linear-48B-A3B-Instruct (Kimi Delta Attention
+  and latent attention without RoPE, 1-based layer lists in ``linear_attn_config``). Sources are
+  noted beside each.
 """
 
 from __future__ import annotations
@@ -333,6 +339,178 @@ _DEEPSEEK_V4_PRO: dict[str, Any] = {
     "compress_ratios": [128, 128] + [4, 128] * 29 + [4, 0],
 }
 
+# Qwen/Qwen3-Next-80B-A3B-Instruct. The hub file was not reachable from here: keys and values as
+# the opening of its config.json is quoted in the code corpus (architectures through
+# moe_intermediate_size, alphabetical: no attention_bias key) and HF Qwen3NextConfig's docstring
+# checkpoint; the rest (experts, RoPE at theta 1e7 over a quarter of each head, 262144 positions)
+# as several independent ports state them. 79.7B parameters (the MTP module, mtp.*, not counted).
+_QWEN3_NEXT_80B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_next",
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "output_router_logits": False,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 10000000,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "vocab_size": 151936,
+}
+
+# Qwen/Qwen3.5-397B-A17B. The hub file itself was not found by the search tools. Keys: those of the
+# Qwen3.5-35B-A3B config.json (same architecture and release), transcribed in full in two
+# third-party repositories. Sizes of the 397B: hidden 4096, 60 layers (3 Gated DeltaNet : 1 full),
+# 32 query / 2 kv heads of 256, 16 key / 64 value linear heads of 128, 512 experts (10 per token)
+# of width 1024 and a shared expert of 1024, vocabulary 248320, 262144 positions, as the
+# mlx-community card and three independent ports (omegalax's registry among them) agree. The text
+# model counts 396.3B parameters; with the 0.46B vision tower (depth 27, hidden 1152, out 4096),
+# which dayzero leaves out (issue #17), 396.8B: the published "397B".
+_QWEN3_5_397B_A17B: dict[str, Any] = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "image_token_id": 248056,
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_output_gate": True,
+        "bos_token_id": 248044,
+        "dtype": "bfloat16",
+        "eos_token_id": 248044,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_act": "silu",
+        "hidden_size": 4096,
+        "initializer_range": 0.02,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 15,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 64,
+        "linear_value_head_dim": 128,
+        "mamba_ssm_dtype": "float32",
+        "max_position_embeddings": 262144,
+        "model_type": "qwen3_5_moe_text",
+        "moe_intermediate_size": 1024,
+        "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False,
+        "num_attention_heads": 32,
+        "num_experts": 512,
+        "num_experts_per_tok": 10,
+        "num_hidden_layers": 60,
+        "num_key_value_heads": 2,
+        "output_router_logits": False,
+        "pad_token_id": None,
+        "partial_rotary_factor": 0.25,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {
+            "mrope_interleaved": True, "mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25,
+            "rope_theta": 10000000, "rope_type": "default",
+        },
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 1024,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 248320,
+    },
+    "tie_word_embeddings": False,
+    "video_token_id": 248057,
+    "vision_config": {
+        "deepstack_visual_indexes": [], "depth": 27, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152,
+        "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4304, "model_type": "qwen3_5_moe_vision",
+        "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+        "spatial_merge_size": 2, "temporal_patch_size": 2,
+    },
+    "vision_end_token_id": 248054,
+    "vision_start_token_id": 248053,
+}
+
+# moonshotai/Kimi-Linear-48B-A3B-Instruct: the structural keys as a third-party analyser pins
+# them verbatim from the published config.json (with a leftover head_dim 72, which HF's modeling
+# code never reads), the token ids as HF KimiLinearConfig's defaults (its docstring
+# checkpoint). Layers 4, 8, ..., 24 and 27 (1-based) are latent attention, the rest KDA; layer 1
+# is dense. 49.1B parameters (HF's count; published as "48B").
+_KIMI_LINEAR_48B_A3B: dict[str, Any] = {
+    "architectures": ["KimiLinearForCausalLM"],
+    "auto_map": {
+        "AutoConfig": "configuration_kimi.KimiLinearConfig",
+        "AutoModel": "modeling_kimi.KimiLinearModel",
+        "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM",
+    },
+    "bos_token_id": 163584,
+    "eos_token_id": 163586,
+    "first_k_dense_replace": 1,
+    "head_dim": 72,
+    "hidden_act": "silu",
+    "hidden_size": 2304,
+    "initializer_range": 0.02,
+    "intermediate_size": 9216,
+    "kv_lora_rank": 512,
+    "linear_attn_config": {
+        "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+        "head_dim": 128,
+        "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+        "num_heads": 32,
+        "short_conv_kernel_size": 4,
+    },
+    "mla_use_nope": True,
+    "model_max_length": 1048576,
+    "model_type": "kimi_linear",
+    "moe_intermediate_size": 1024,
+    "moe_layer_freq": 1,
+    "moe_renormalize": True,
+    "moe_router_activation_func": "sigmoid",
+    "num_attention_heads": 32,
+    "num_expert_group": 1,
+    "num_experts": 256,
+    "num_experts_per_token": 8,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 32,
+    "num_nextn_predict_layers": 0,
+    "num_shared_experts": 1,
+    "pad_token_id": 163839,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "routed_scaling_factor": 2.446,
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_grouped_topk": True,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "deepseek-v3": _DEEPSEEK_V3,
     "kimi-k2": _KIMI_K2,
@@ -342,6 +520,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt-oss-20b": _GPT_OSS_20B,
     "deepseek-v4-flash": _DEEPSEEK_V4_FLASH,
     "deepseek-v4-pro": _DEEPSEEK_V4_PRO,
+    "qwen3-next-80b-a3b": _QWEN3_NEXT_80B_A3B,
+    "qwen3.5-397b-a17b": _QWEN3_5_397B_A17B,
+    "kimi-linear-48b-a3b": _KIMI_LINEAR_48B_A3B,
 }
 
 

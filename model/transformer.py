@@ -25,6 +25,8 @@ from dayzero.model.cache import CacheView, NewKV, NewLatent
 from dayzero.model.compressed import CompressedFrame, compressed_block
 from dayzero.model.compressed_cache import NewCompressed
 from dayzero.model.config import AttentionKind, CompressKind, ModelConfig
+from dayzero.model.linear_attn import LinearFrame, linear_attn_block
+from dayzero.model.linear_cache import HybridCache, NewHybrid
 from dayzero.model.mla import attend_latent, mla_block
 from dayzero.model.mla_parallel import attend_latent_split
 from dayzero.model.moe import moe, swiglu
@@ -143,8 +145,8 @@ def attention_block(
     if w.q_norm is not None:
         # One RMS per head, or per token over all its heads (weights [N,H] / [K,H]).
         axes = (-2, -1) if config.qk_norm_all_heads else -1
-        q = rms_norm(q, w.q_norm, config.rms_norm_eps, axes)
-        k = rms_norm(k, w.k_norm, config.rms_norm_eps, axes)
+        q = rms_norm(q, w.q_norm, config.rms_norm_eps, axes, config.norm_weight_offset)
+        k = rms_norm(k, w.k_norm, config.rms_norm_eps, axes, config.norm_weight_offset)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if isinstance(layer_cache, KernelLayer):
@@ -159,6 +161,8 @@ def attention_block(
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
+    if w.gate is not None:  # Qwen3-Next's output gate, per head and dim
+        out = out * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, dequantized(w.gate, x.dtype)))
     out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * H), dequantized(w.o, x.dtype).reshape(N * H, -1))
     if w.o_bias is not None:
         out = out + w.o_bias
@@ -169,7 +173,7 @@ def _enter(hc: HyperWeights | None, norm: jax.Array, config: ModelConfig, x: jax
     """A block's normed input from the residual ``x``, and what :func:`_leave` needs: with
     hyper-connections, ``x`` is the streams [B,T,n,D] and their mix gives the input."""
     if hc is None:
-        return rms_norm(x, norm, config.rms_norm_eps), None
+        return rms_norm(x, norm, config.rms_norm_eps, offset=config.norm_weight_offset), None
     block_in, post, comb = hyper.mix(hc, config.hyper, x, config.rms_norm_eps)
     return rms_norm(block_in, norm, config.rms_norm_eps), (post, comb)
 
@@ -190,7 +194,7 @@ def decoder_layer(
     keys_token_major: bool = False,
     picks: tuple[jax.Array, jax.Array] | None = None,
     tokens: jax.Array | None = None,
-    frame: CompressedFrame | None = None,
+    frame: CompressedFrame | LinearFrame | None = None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, jax.Array] | None]:
     """Pre-norm residual block: attention then SwiGLU MLP or MoE.
 
@@ -204,11 +208,15 @@ def decoder_layer(
     updated as the third value.
     ``tokens`` [B,T]: the token ids (hash-routed MoE layers choose experts by them).
     ``frame``: DeepSeek-V4's attention needs the layer's kind and each row's start and real
-    tokens (it builds its own masks); with hyper-connections (``config.hyper``) ``x`` is the
-    residual streams [B,T,n,D].
+    tokens (it builds its own masks), a hybrid's linear layer (a ``LinearFrame``) the rows' real
+    tokens; with hyper-connections (``config.hyper``) ``x`` is the residual streams [B,T,n,D].
+    A linear layer's ``layer_cache`` is its ``LinearState`` (None: a fresh sequence), and what it
+    adds is its new state.
     """
     h, mixing = _enter(w.attn_hc, w.attn_norm, config, x)
-    if config.attention is AttentionKind.MLA:
+    if isinstance(frame, LinearFrame):  # a hybrid's linear layer: its state in, its new state out
+        attn_out, new = linear_attn_block(w.attn, config, h, layer_cache, frame.num_new, frame.kernels)
+    elif config.attention is AttentionKind.MLA:
         latent_attend = attend_latent if parallel is None else functools.partial(attend_latent_split, parallel)
         attn_out, new, picks = mla_block(w.attn, config, h, cos_sin, layer_cache, masks, latent_attend, picks)
     elif config.attention is AttentionKind.COMPRESSED:
@@ -283,13 +291,18 @@ def forward(
     if config.hyper is not None:
         x = hyper.expand(x, config.hyper)
     token_major = cache is not None and cache.keys_token_major
+    # The linear layers' delta rule runs on the kernels as the attention does: ``kernels`` for a
+    # first prefill, the mode a paged kernel view carries for a step over it.
+    attn_view = cache.attn if isinstance(cache, HybridCache) else cache
+    linear_kernels = kernels if cache is None else getattr(attn_view, "mode", KernelMode.REFERENCE)
     new = []  # per layer, what it adds to the cache
     picks = None  # sparse attention's last picks, which GLM-5's shared layers reuse
     for i, layer in enumerate(weights.layers):
         layer_masks = masks[config.sliding_windows[i]]
+        linear = config.is_linear_layer(i)
         if cache is not None:
             layer_cache = cache.layer(i, after=x)
-        elif kernels is not KernelMode.REFERENCE:
+        elif kernels is not KernelMode.REFERENCE and not linear:
             layer_cache = NewTokensLayer(num_new, kernels, config.sliding_windows[i], HeadSplit.of(parallel))
         else:
             layer_cache = None
@@ -298,6 +311,8 @@ def forward(
             kind = config.compressed.kinds[i]
             layer_cos_sin = cos_sin if kind is CompressKind.SLIDING else compress_cos_sin
             frame = CompressedFrame(kind, starts, num_new)
+        elif linear:
+            frame = LinearFrame(num_new, linear_kernels)
         x, added, picks = decoder_layer(layer, config, x, layer_cos_sin, layer_cache, layer_masks, parallel,
                                         token_major, picks, tokens, frame)
         new.append(added)
@@ -305,18 +320,30 @@ def forward(
             hidden_out.append(x)
     if config.hyper is not None:
         x = hyper.head(weights.hc_head, config.hyper, x, config.rms_norm_eps)
-    x = rms_norm(x, weights.final_norm, config.rms_norm_eps)
+    x = rms_norm(x, weights.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
     if not all_logits:
         last = jnp.clip(num_new - 1, 0, T - 1)
         x = jnp.take_along_axis(x, last[:, None, None], axis=1)
     logits = output_logits(weights, x)
     if not all_logits:
         logits = logits[:, 0, :]
+    if config.linear is None:
+        return logits, _additions(config, cache, new, num_new, rope_len)
+    states = tuple(n for i, n in enumerate(new) if config.is_linear_layer(i))
+    attn_new = [n for i, n in enumerate(new) if not config.is_linear_layer(i)]
+    attn_cache = cache.attn if isinstance(cache, HybridCache) else cache
+    return logits, NewHybrid(attn=_additions(config, attn_cache, attn_new, num_new, rope_len), states=states,
+                             num_new=num_new)
+
+
+def _additions(config: ModelConfig, cache, new: list, num_new: jax.Array, rope_len: jax.Array):
+    """What the attention layers' ``new`` (per layer, as ``decoder_layer`` returns it) add to
+    ``cache``, in the cache's form (a kernel view: its pages, which the blocks wrote)."""
     if isinstance(cache, PagedKernelCache):  # the blocks wrote the pages themselves
-        return logits, cache.written(new, rope_len)
+        return cache.written(new, rope_len)
     if config.compressed is not None:
-        return logits, NewCompressed(layers=tuple(new), num_new=num_new, rope_len=rope_len)
+        return NewCompressed(layers=tuple(new), num_new=num_new, rope_len=rope_len)
     if config.mla is not None:
         keys = None if config.dsa is None else tuple(n[1] for n in new)
-        return logits, NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len, index_keys=keys)
-    return logits, NewKV(k=tuple(n[0] for n in new), v=tuple(n[1] for n in new), num_new=num_new, rope_len=rope_len)
+        return NewLatent(latent=tuple(n[0] for n in new), num_new=num_new, rope_len=rope_len, index_keys=keys)
+    return NewKV(k=tuple(n[0] for n in new), v=tuple(n[1] for n in new), num_new=num_new, rope_len=rope_len)

@@ -75,6 +75,7 @@ class AttentionWeights:
     q_norm: Any = None  # [H] (Qwen3), or [N,H] with qk_norm_all_heads (MiniMax-M2)
     k_norm: Any = None  # [H] (Qwen3), or [K,H] with qk_norm_all_heads (MiniMax-M2)
     sinks: Any = None  # [N] float32, one logit per query head in the softmax's denominator (gpt-oss)
+    gate: Any = None  # [D,N,H] the output gate's projection (attn_output_gate, Qwen3-Next)
 
 
 @struct.dataclass
@@ -193,6 +194,7 @@ class MoEWeights:
     up_bias: Any = None  # [E,F]
     down_bias: Any = None  # [E,D]
     tid2eid: Any = None  # [V,C] int32: each token id's experts on a hash-routed layer (DeepSeek-V4)
+    shared_gate: Any = None  # [D]: the shared expert's output times sigmoid(x . shared_gate) (Qwen3-Next)
 
 
 @struct.dataclass
@@ -201,7 +203,7 @@ class LayerWeights:
     hyper-connections, the mixes around each (``attn_hc``, ``mlp_hc``)."""
 
     attn_norm: Any
-    attn: AttentionWeights | MLAWeights | CompressedAttnWeights
+    attn: Any  # AttentionWeights | MLAWeights | CompressedAttnWeights | linear_weights.LinearAttnWeights
     mlp_norm: Any
     mlp: MLPWeights | MoEWeights
     attn_hc: HyperWeights | None = None
@@ -260,6 +262,7 @@ def _attention_specs(c: ModelConfig) -> AttentionWeights:
         k_norm=_qk_norm_spec(c, K, "kv_heads"),
         # float32 whatever the model's dtype (the kernels take them so), split with the heads.
         sinks=ParamSpec((N,), ("q_heads",), dtype=jnp.dtype(jnp.float32)) if c.attention_sinks else None,
+        gate=ParamSpec((D, N, H), ("embed", "q_heads", "head_dim"), in_axes=IN0) if c.attn_output_gate else None,
     )
 
 
@@ -268,9 +271,16 @@ def _qk_norm_spec(c: ModelConfig, heads: int, axis: str) -> ParamSpec | None:
     (MiniMax-M2), split across devices like the heads it scales."""
     if not c.qk_norm:
         return None
+    init = norm_init(c)
     if c.qk_norm_all_heads:
-        return ParamSpec((heads, c.head_dim), (axis, "head_dim"), Init.ONES)
-    return ParamSpec((c.head_dim,), ("head_dim",), Init.ONES)
+        return ParamSpec((heads, c.head_dim), (axis, "head_dim"), init)
+    return ParamSpec((c.head_dim,), ("head_dim",), init)
+
+
+def norm_init(c: ModelConfig) -> Init:
+    """How the decoder's RMSNorm weights start: zeros where they are stored zero-centred
+    (``norm_weight_offset`` 1: the scale is 1 + w), ones otherwise."""
+    return Init.ZEROS if c.norm_weight_offset == 1.0 else Init.ONES
 
 
 def _mla_specs(c: ModelConfig, i: int) -> MLAWeights:
@@ -370,7 +380,7 @@ def _mlp_specs(c: ModelConfig, F: int) -> MLPWeights:
 
 def _moe_specs(c: ModelConfig, i: int) -> MoEWeights:
     D, E, F = c.hidden_size, c.moe.num_experts, c.moe.intermediate_size
-    shared, biased = c.moe.shared_experts, c.moe.expert_bias
+    shared, biased = c.moe.shared_width, c.moe.expert_bias
     hashed = bool(c.moe.hash_layers) and c.moe.hash_layers[i]
     return MoEWeights(
         # The router's expert axis is left unsharded: every token needs all E scores for its top-k.
@@ -380,7 +390,8 @@ def _moe_specs(c: ModelConfig, i: int) -> MoEWeights:
         down=ParamSpec((E, F, D), ("experts", "ffw", "embed"), in_axes=(1,)),
         # A hash-routed layer chooses by table, so it has no choice bias.
         score_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.score_bias and not hashed else None,
-        shared=_mlp_specs(c, shared * F) if shared else None,
+        shared=_mlp_specs(c, shared) if shared else None,
+        shared_gate=ParamSpec((D,), ("embed",)) if c.moe.shared_gate else None,
         router_bias=ParamSpec((E,), (None,), Init.ZEROS) if c.moe.router_bias else None,
         gate_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
         up_bias=ParamSpec((E, F), ("experts", "ffw"), Init.ZEROS) if biased else None,
@@ -394,16 +405,20 @@ def _moe_specs(c: ModelConfig, i: int) -> MoEWeights:
 
 def _layer_specs(c: ModelConfig, i: int) -> LayerWeights:
     D = c.hidden_size
-    if c.mla is not None:
+    if c.is_linear_layer(i):
+        from dayzero.model.linear_weights import linear_attn_specs
+
+        attn = linear_attn_specs(c)
+    elif c.mla is not None:
         attn = _mla_specs(c, i)
     elif c.compressed is not None:
         attn = _compressed_specs(c, i)
     else:
         attn = _attention_specs(c)
     return LayerWeights(
-        attn_norm=ParamSpec((D,), ("embed",), Init.ONES),
+        attn_norm=ParamSpec((D,), ("embed",), norm_init(c)),
         attn=attn,
-        mlp_norm=ParamSpec((D,), ("embed",), Init.ONES),
+        mlp_norm=ParamSpec((D,), ("embed",), norm_init(c)),
         mlp=_moe_specs(c, i) if c.is_moe_layer(i) else _mlp_specs(c, c.intermediate_size),
         attn_hc=_block_hyper_specs(c),
         mlp_hc=_block_hyper_specs(c),
@@ -443,7 +458,7 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
     specs = Weights(
         embed=ParamSpec((V, D), ("vocab", "embed")),
         layers=tuple(_layer_specs(config, i) for i in range(config.num_layers)),
-        final_norm=ParamSpec((D,), ("embed",), Init.ONES),
+        final_norm=ParamSpec((D,), ("embed",), norm_init(config)),
         lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
         hc_head=None if config.hyper is None else _hyper_specs(config, config.hyper.mult, 1),
         mtp=_mtp_specs(config),

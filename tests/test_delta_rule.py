@@ -1,0 +1,325 @@
+"""The linear-attention reference (dayzero.model.delta_rule) against HF's pure-PyTorch Gated DeltaNet
+(modeling_qwen3_next) and Kimi Delta Attention (modeling_kimi_linear) functions, fp32 on CPU.
+
+Decays are drawn per head (and per key channel for KDA) from near 0 to strong (down to about -6
+per token, so a chunk's cumulative decay underflows fp32: the case where exp(-cumsum) alone would
+overflow). Head dims differ (dk != dv) so a swapped state axis cannot pass.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from dayzero.model.delta_rule import (
+    causal_conv,
+    delta_rule,
+    delta_rule_chunked,
+    delta_rule_recurrent,
+    gated_rms_norm,
+)
+from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen
+
+
+def _torch_path(fn):
+    """HF's torch implementation itself, past any hub-kernel / FLA dispatch wrapper."""
+    return getattr(fn, "__wrapped__", fn)
+
+
+HF_GDN_CHUNK = _torch_path(qwen.torch_chunk_gated_delta_rule)
+HF_GDN_RECURRENT = _torch_path(qwen.torch_recurrent_gated_delta_rule)
+HF_KDA_CHUNK = _torch_path(kimi.chunk_kimi_delta_attention)
+HF_KDA_RECURRENT = _torch_path(kimi.recurrent_kimi_delta_attention)
+HF_CONV = _torch_path(qwen.causal_conv1d_fn)
+HF_CONV_STEP = _torch_path(qwen.causal_conv1d_update)
+
+# (Hk, Hv, dk, dv): GDN with two value heads per key head; KDA as Kimi-Linear has it (Hk == Hv).
+SHAPES = {"gdn": (2, 4, 16, 8), "kda": (4, 4, 16, 8)}
+RTOL = 2e-5  # of the largest magnitude of the compared array
+
+
+def _close(actual, expected, rtol=RTOL):
+    actual, expected = np.asarray(actual, np.float32), np.asarray(expected, np.float32)
+    assert actual.shape == expected.shape
+    scale = max(float(np.abs(expected).max()), 1e-6)
+    err = float(np.abs(actual - expected).max())
+    assert err <= rtol * scale, f"max error {err:.3g} over scale {scale:.3g} (rtol {rtol})"
+
+
+def _inputs(kind, b, t, seed, with_state=True, shapes=None):
+    """Random q, k, v, g, beta, state (numpy fp32) for ``kind`` "gdn" or "kda"."""
+    hk, hv, dk, dv = shapes or SHAPES[kind]
+    rng = np.random.default_rng(seed)
+    q, k = (rng.standard_normal((b, t, hk, dk)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((b, t, hv, dv)).astype(np.float32)
+    gshape = (b, t, hv) if kind == "gdn" else (b, t, hv, dk)
+    # -softplus(randn) (~ -0.7) times a per-head (per-channel) strength from 0.005 to 8.
+    strength = np.exp(rng.uniform(np.log(0.005), np.log(8.0), gshape[2:])).astype(np.float32)
+    g = (-np.logaddexp(0.0, rng.standard_normal(gshape)) * strength).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((b, t, hv))))).astype(np.float32)
+    state = rng.standard_normal((b, hv, dk, dv)).astype(np.float32) if with_state else None
+    return q, k, v, g, beta, state
+
+
+def _hf(kind, form, q, k, v, g, beta, state, chunk=64):
+    """HF's output [B,T,Hv,dv] and final state, as numpy."""
+    t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, g, beta)]
+    init = None if state is None else torch.from_numpy(state.copy())
+    kw = dict(initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    if kind == "kda" and q.shape[2] != v.shape[2]:  # HF's KDA has no grouping: repeat as GDN does
+        t[0], t[1] = (x.repeat_interleave(v.shape[2] // q.shape[2], dim=2) for x in t[:2])
+    fn = {("gdn", "chunked"): HF_GDN_CHUNK, ("gdn", "recurrent"): HF_GDN_RECURRENT,
+          ("kda", "chunked"): HF_KDA_CHUNK, ("kda", "recurrent"): HF_KDA_RECURRENT}[kind, form]
+    if form == "chunked":
+        kw["chunk_size"] = chunk
+    with torch.no_grad():
+        out, final = fn(*t, **kw)
+    return out.numpy(), final.numpy()
+
+
+def _ours(form, q, k, v, g, beta, state, num_new=None, chunk=64):
+    args = [jnp.asarray(a) for a in (q, k, v, g, beta)]
+    st = None if state is None else jnp.asarray(state)
+    nn = None if num_new is None else jnp.asarray(num_new, jnp.int32)
+    if form == "chunked":
+        out, final = delta_rule_chunked(*args, st, nn, chunk=chunk)
+    elif form == "recurrent":
+        out, final = delta_rule_recurrent(*args, st, nn)
+    else:
+        out, final = delta_rule(*args, st, nn, chunk=chunk)
+    return np.asarray(out), np.asarray(final)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("t,chunk", [(37, 16), (130, 64)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_matches_hf_chunked(kind, t, chunk, with_state):
+    """delta_rule_chunked = HF's chunked form, T not a multiple of the chunk, with and without an
+    initial state, grouped heads (GDN) and per-channel decay (KDA)."""
+    inputs = _inputs(kind, 2, t, seed=t + with_state, with_state=with_state)
+    out, final = _ours("chunked", *inputs, chunk=chunk)
+    hf_out, hf_final = _hf(kind, "chunked", *inputs, chunk=chunk)
+    _close(out, hf_out)
+    _close(final, hf_final)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_recurrent_matches_hf_recurrent(kind, with_state):
+    """delta_rule_recurrent = HF's token-by-token form."""
+    inputs = _inputs(kind, 2, 37, seed=7 + with_state, with_state=with_state)
+    out, final = _ours("recurrent", *inputs)
+    hf_out, hf_final = _hf(kind, "recurrent", *inputs)
+    _close(out, hf_out)
+    _close(final, hf_final)
+
+
+def test_kda_grouped_heads():
+    """Per-channel decay with Hk < Hv (Kimi-Linear itself has Hk == Hv): both forms = HF's KDA
+    recurrence on repeat_interleaved queries and keys."""
+    inputs = _inputs("kda", 1, 37, seed=3, shapes=SHAPES["gdn"])
+    hf_out, hf_final = _hf("kda", "recurrent", *inputs)
+    for form in ("chunked", "recurrent"):
+        out, final = _ours(form, *inputs, chunk=16)
+        _close(out, hf_out)
+        _close(final, hf_final)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_pieces_equal_whole(kind):
+    """A sequence fed whole (HF chunked) = fed in pieces of odd sizes carrying the state, through
+    delta_rule's choice of form, and through each form alone (chunk 8: pieces shorter than a chunk,
+    and longer)."""
+    q, k, v, g, beta, state = _inputs(kind, 2, 37, seed=11)
+    hf_out, hf_final = _hf(kind, "chunked", q, k, v, g, beta, state, chunk=16)
+    cuts = [0, 5, 6, 19, 37]  # pieces of 5, 1, 13 (recurrent in delta_rule) and 18 (chunked)
+    for form in ("auto", "chunked", "recurrent"):
+        s, outs = state, []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            o, s = _ours(form, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s, chunk=8)
+            outs.append(o)
+        _close(np.concatenate(outs, axis=1), hf_out)
+        _close(s, hf_final)
+
+
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_ragged_rows(kind, form):
+    """Rows of 37, 5 and 0 real tokens in one call: row 1's first 5 outputs and final state equal
+    those 5 tokens run alone, row 2 keeps its state; garbage in the padding (NaN values, strong
+    decay) changes nothing, and padded outputs stay finite."""
+    t = 37
+    q, k, v, g, beta, state = _inputs(kind, 3, t, seed=5)
+    v[1, 5:] = np.nan
+    g[1, 5:] = -50.0
+    beta[1, 5:] = 1.0
+    num_new = np.array([t, 5, 0], np.int32)
+    out, final = _ours(form, q, k, v, g, beta, state, num_new=num_new, chunk=16)
+    assert np.isfinite(out).all()
+    alone = tuple(a[1:2] for a in (q, k, v, g, beta, state))
+    hf_out, hf_final = _hf(kind, "recurrent", *(a[:, :5] for a in alone[:5]), alone[5])
+    _close(out[1:2, :5], hf_out)
+    _close(final[1:2], hf_final)
+    np.testing.assert_array_equal(final[2], state[2])
+    whole_out, whole_final = _hf(kind, "recurrent", *(a[:1] for a in (q, k, v, g, beta, state)))
+    _close(out[:1], whole_out)
+    _close(final[:1], whole_final)
+
+
+def test_bf16_inputs():
+    """bf16 q, k, v: output in bf16, state fp32, within bf16 rounding of the fp32 result."""
+    q, k, v, g, beta, state = _inputs("gdn", 1, 20, seed=9)
+    bf = [np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for a in (q, k, v)]
+    expected, expected_final = _hf("gdn", "chunked", *bf, g, beta, state, chunk=8)
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(g), jnp.asarray(beta)]
+    out, final = delta_rule_chunked(*args, jnp.asarray(state), None, chunk=8)
+    assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
+    _close(out, expected, rtol=1e-2)
+    _close(final, expected_final)
+
+
+# --- causal convolution ----------------------------------------------------------------------
+
+
+def _conv_inputs(b, t, c=6, w=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((b, t, c)).astype(np.float32), rng.standard_normal((w, c)).astype(np.float32),
+            rng.standard_normal((b, w - 1, c)).astype(np.float32))
+
+
+def _hf_conv(x, weight):
+    """HF's causal_conv1d_fn + SiLU over x [B,T,C] from zeros, as [B,T,C]."""
+    with torch.no_grad():
+        out = HF_CONV(torch.from_numpy(x.transpose(0, 2, 1).copy()), torch.from_numpy(weight.T.copy()),
+                      None, activation="silu")
+    return out.numpy().transpose(0, 2, 1)
+
+
+def test_conv_whole_matches_hf():
+    """A fresh sequence: causal_conv = causal_conv1d_fn; its state = the last W-1 inputs."""
+    x, weight, _ = _conv_inputs(2, 11)
+    out, state = causal_conv(jnp.asarray(x), jnp.asarray(weight), None, jnp.array([11, 11], jnp.int32))
+    _close(out, _hf_conv(x, weight))
+    np.testing.assert_array_equal(state, x[:, -3:])
+
+
+def test_conv_continuation_matches_hf():
+    """Prefill continuing a state (HF: the state prepended, the convolution over both, the last T
+    kept) and one-token steps (HF's causal_conv1d_update, whose state it updates in place)."""
+    x, weight, state = _conv_inputs(2, 7, seed=1)
+    out, new_state = causal_conv(jnp.asarray(x), jnp.asarray(weight), jnp.asarray(state), None)
+    _close(out, _hf_conv(np.concatenate([state, x], axis=1), weight)[:, -7:])
+    np.testing.assert_array_equal(new_state, x[:, -3:])
+
+    hf_state = torch.from_numpy(state.transpose(0, 2, 1).copy())
+    ours = jnp.asarray(state)
+    for i in range(5):
+        with torch.no_grad():
+            hf_out = HF_CONV_STEP(torch.from_numpy(x[:, i, :, None].copy()), hf_state,
+                                  torch.from_numpy(weight.T.copy()), None, "silu")
+        out, ours = causal_conv(jnp.asarray(x[:, i : i + 1]), jnp.asarray(weight), ours, jnp.ones(2, jnp.int32))
+        _close(out[:, 0], hf_out.numpy()[..., 0])
+        np.testing.assert_array_equal(ours, hf_state.numpy().transpose(0, 2, 1))
+
+
+def test_conv_pieces_and_ragged():
+    """Fed in pieces (a padded row, a row with none new) = fed whole."""
+    x, weight, _ = _conv_inputs(2, 12, seed=2)
+    whole = _hf_conv(x, weight)
+    # Row 0 takes pieces of 5 then 7; row 1 takes 2 (padded to 5), then 0 (all padding), then 10.
+    out0, s = causal_conv(jnp.asarray(x[:, :5]), jnp.asarray(weight), None, jnp.array([5, 2], jnp.int32))
+    xb = np.stack([x[0, 5:12], np.full((7, 6), 1e6, np.float32)])
+    out1, s = causal_conv(jnp.asarray(xb), jnp.asarray(weight), s, jnp.array([7, 0], jnp.int32))
+    _close(np.concatenate([out0[0], out1[0]]), whole[0])
+    _close(out0[1, :2], whole[1, :2])
+    np.testing.assert_array_equal(s[1], np.concatenate([np.zeros((1, 6), np.float32), x[1, :2]]))
+    out2, s = causal_conv(jnp.asarray(x[1:, 2:12]), jnp.asarray(weight), s[1:], jnp.array([10], jnp.int32))
+    _close(out2[0], whole[1, 2:])
+    np.testing.assert_array_equal(s[0], x[1, -3:])
+
+
+def test_conv_then_delta_rule_in_pieces():
+    """The layer's sequence of both (conv state and delta-rule state carried) fed in pieces = HF
+    over the whole sequence."""
+    hk, hv, dk, dv = SHAPES["gdn"]
+    c = 2 * hk * dk + hv * dv
+    x, weight, _ = _conv_inputs(1, 29, c=c, seed=4)
+    _, _, _, g, beta, _ = _inputs("gdn", 1, 29, seed=4, with_state=False)
+
+    def split(y):
+        q, k, v = np.split(np.asarray(y), [hk * dk, 2 * hk * dk], axis=-1)
+        return q.reshape(*q.shape[:2], hk, dk), k.reshape(*k.shape[:2], hk, dk), v.reshape(*v.shape[:2], hv, dv)
+
+    hf_out, hf_final = _hf("gdn", "chunked", *split(_hf_conv(x, weight)), g, beta, None, chunk=8)
+    conv_state, state, outs = None, None, []
+    for a, b in [(0, 3), (3, 4), (4, 21), (21, 29)]:
+        y, conv_state = causal_conv(jnp.asarray(x[:, a:b]), jnp.asarray(weight), conv_state, None)
+        o, state = _ours("auto", *split(y), g[:, a:b], beta[:, a:b], state, chunk=8)
+        outs.append(o)
+    _close(np.concatenate(outs, axis=1), hf_out)
+    _close(state, hf_final)
+
+
+# --- gated RMS norm --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation,module", [("silu", qwen.Qwen3NextRMSNormGated),
+                                               ("sigmoid", kimi.KimiLinearRMSNormGated)])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gated_rms_norm_matches_hf(activation, module, dtype):
+    """gated_rms_norm = HF's module (GDN: silu, KDA: sigmoid), fp32 and bf16 (weight in the model
+    dtype, as loaded)."""
+    rng = np.random.default_rng(0)
+    x, gate = (rng.standard_normal((3, 5, 16)).astype(np.float32) * 3 for _ in range(2))
+    weight = rng.normal(1.0, 0.3, 16).astype(np.float32)
+    tdt = getattr(torch, dtype)
+    norm = module(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy(weight))
+        norm.to(tdt)
+        expected = norm(torch.from_numpy(x).to(tdt), torch.from_numpy(gate).to(tdt)).float().numpy()
+    jdt = jnp.dtype(dtype)
+    out = gated_rms_norm(jnp.asarray(x, jdt), jnp.asarray(weight, jdt), jnp.asarray(gate, jdt), 1e-6, activation)
+    assert out.dtype == jdt
+    if dtype == "float32":
+        _close(out, expected, rtol=1e-6)
+    else:  # one bf16 rounding at most
+        np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=2**-8, atol=1e-6)
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_bad_shapes_raise():
+    """Mis-shaped arguments fail with the offending shape in the message."""
+    q, k, v, g, beta, state = (jnp.asarray(a) for a in _inputs("gdn", 1, 4, seed=0))
+    with pytest.raises(ValueError, match="multiple"):
+        delta_rule(q, k, v[:, :, :3], g[:, :, :3], beta[:, :, :3], None, None)
+    with pytest.raises(ValueError, match="g has shape"):
+        delta_rule(q, k, v, g[..., None], beta, None, None)
+    with pytest.raises(ValueError, match="state has shape"):
+        delta_rule(q, k, v, g, beta, state[..., :3], None)
+    with pytest.raises(ValueError, match="num_new"):
+        delta_rule(q, k, v, g, beta, None, jnp.array([1, 2]))
+    with pytest.raises(ValueError, match="chunk"):
+        delta_rule_chunked(q, k, v, g, beta, None, None, chunk=0)
+    with pytest.raises(ValueError, match="activation"):
+        gated_rms_norm(v, jnp.ones(8), v, 1e-6, "gelu")
+    with pytest.raises(ValueError, match="state"):
+        causal_conv(jnp.zeros((1, 3, 5)), jnp.zeros((4, 5)), jnp.zeros((1, 4, 5)), None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["gdn", "kda"])
+def test_realistic_heads_match_hf(kind):
+    """Model-sized heads (dk = dv = 128), 300 tokens, chunk 64, through delta_rule: = HF chunked."""
+    shapes = (4, 8, 128, 128) if kind == "gdn" else (4, 4, 128, 128)
+    inputs = _inputs(kind, 1, 300, seed=21, shapes=shapes)
+    out, final = _ours("auto", *inputs)
+    hf_out, hf_final = _hf(kind, "chunked", *inputs)
+    _close(out, hf_out)
+    _close(final, hf_final)
