@@ -124,13 +124,14 @@ def width_sweep(engine: Engine, widths: list[int], kernels: str, slots: int = 8,
     server = ServingEngine(engine, config)
     tables = np.tile(np.arange(config.max_table_pages, dtype=np.int32) % config.num_pages, (slots, 1))
     tokens, ones = np.ones((slots, 1), np.int32), np.ones(slots, np.int32)
+    rows = np.arange(slots, dtype=np.int32)  # each row its own slot (a hybrid's state rows)
     step = jax.jit(lambda w, t, n, cache: forward(w, engine.config, t, cache, n))
     append = jax.jit(append_to_cache, donate_argnums=(0,))
     out = {}
     for width in widths:
         length = width * PAGE - 1
         lengths = np.full(slots, length, np.int32)
-        paged = lambda: np.asarray(server.steps.run_step(tokens, ones, lengths, tables, width))  # noqa: E731
+        paged = lambda: np.asarray(server.steps.run_step(tokens, ones, lengths, tables, width, rows))  # noqa: E731
         cache = [init_cache(engine.config, slots, width * PAGE, engine.weights.embed.dtype).replace(
             lengths=jnp.full((slots,), length, jnp.int32))]
 

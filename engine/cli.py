@@ -11,6 +11,7 @@ import os
 import sys
 from typing import Callable
 
+from dayzero.model.presets import PRESETS
 from dayzero.sharding.distributed import MeshError, ProcessGroup, initialize, parse_mesh
 
 KERNEL_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
@@ -193,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = pl.add_mutually_exclusive_group(required=True)
     model.add_argument("--config", metavar="PATH", help="HF config.json (or the directory holding it)")
     model.add_argument("--preset", metavar="NAME",
-                       help="a named model: deepseek-v3, kimi-k2, glm-5, gpt-oss-120b, gpt-oss-20b, frontier-3t-1m")
+                       help="a named model: " + ", ".join(sorted(PRESETS)))
     pl.add_argument("--devices", type=int, required=True, metavar="N", help="number of devices")
     pl.add_argument("--device-memory", required=True, metavar="SIZE", help="memory per device, e.g. 80GiB or 141GB")
     pl.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",

@@ -517,7 +517,8 @@ class PagedSteps:
         # The forwards and samplings compile in parallel first (the page writes, whose inputs
         # are forward outputs, compile as the shapes then run one by one).
         start = time.perf_counter()
-        _STEPS.prepare_all([self._forward_call(*step) for step in steps]
+        # (A hybrid's forward reads (tables, slots), as ``run_step`` passes them: ``_slotted``.)
+        _STEPS.prepare_all([self._forward_call(*step[:3], self._slotted(step[3], None), step[4]) for step in steps]
                            + [self._sample_call(*sampling) for sampling in samplings])
         self.compile_s += time.perf_counter() - start
         for step in steps:

