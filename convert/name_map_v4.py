@@ -22,7 +22,7 @@ w3 / w2 stack into gate / up [E,D,F] and down [E,F,D] (HF's fused ``gate_up_proj
 gate rows first); ``tid2eid`` [V,C] is the hash layers' table (the converter stores it as int32).
 
 The multi-token-prediction modules (``mtp.{k}.*``, ``num_nextn_predict_layers`` of them; HF
-skips them) are read and kept as ``mtp/{k}/...`` (``dayzero.model.weights.MTPWeights``), in
+skips them) are read and kept as ``mtp/{k}/...`` (``dayzero.model.compressed_weights.MTPWeights``), in
 DeepSeek's names whatever the spelling of the rest (see :func:`_mtp`); e_proj / h_proj are
 transposes, their block is mapped as a main layer is. DeepSeek-V3's MTP layers are still skipped.
 """
@@ -39,7 +39,7 @@ from dayzero.convert import transforms as T
 from dayzero.convert.errors import ConvertError
 from dayzero.convert.name_map import _HF_IGNORED, Combine, NameMap, Recipe
 from dayzero.model.config import CompressKind, ModelConfig
-from dayzero.model.weights import mtp_block_config
+from dayzero.model.compressed_weights import mtp_block_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +210,8 @@ _MTP_PREFIX = "mtp.{}."
 
 
 def _mtp(c: ModelConfig, k: int) -> list[Recipe]:
-    """MTP module ``k`` (:class:`dayzero.model.weights.MTPWeights`): its block through the very
-    recipes of a main layer, of the one-layer config :func:`~dayzero.model.weights.mtp_block_config`."""
+    """MTP module ``k`` (:class:`dayzero.model.compressed_weights.MTPWeights`): its block through the very
+    recipes of a main layer, of the one-layer config :func:`~dayzero.model.compressed_weights.mtp_block_config`."""
     D, src, dst = c.hidden_size, _MTP_PREFIX.format(k), f"mtp/{k}/"
     r = [Recipe(dst + leaf, src + leaf + ".weight", (D,)) for leaf in ("enorm", "hnorm", "norm")]
     r += [Recipe(dst + leaf, src + leaf + ".weight", (D, D), (T.transpose,)) for leaf in ("e_proj", "h_proj")]
@@ -281,7 +281,7 @@ def refusal(hf_config: dict[str, Any]) -> str | None:
     before any tensor is read: experts stored other than as fp4 or fp8 (DeepSeek's inference code
     also knows int4: uint8 pairs with float32 scales, which no reader decodes), or an MTP module
     whose ``compress_ratios`` entry is not 0 (dayzero keeps MTP blocks of the sliding kind, as
-    published; ``dayzero.model.weights.mtp_block_config``)."""
+    published; ``dayzero.model.compressed_weights.mtp_block_config``)."""
     if hf_config.get("model_type") != "deepseek_v4":
         return None
     try:

@@ -33,7 +33,7 @@ from dayzero.model.config import CompressKind, ModelConfig
 from dayzero.model.norm import rms_norm
 from dayzero.model.quant import as_stored, dequantized
 from dayzero.model.rope import apply_rope_trailing
-from dayzero.model.weights import CompressedAttnWeights
+from dayzero.model.compressed_weights import CompressedAttnWeights
 
 
 class CompressedFrame(NamedTuple):

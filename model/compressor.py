@@ -33,7 +33,8 @@ from dayzero.model.cache import write_quantized
 from dayzero.model.config import ModelConfig
 from dayzero.model.quant import QuantizedArray, dequantized
 from dayzero.model.rope import apply_rope_trailing, rope_cos_sin
-from dayzero.model.weights import CompressedIndexerWeights, CompressorWeights, Init, ParamSpec, map_specs
+from dayzero.model.compressed_weights import CompressedIndexerWeights, CompressorWeights
+from dayzero.model.weights import Init, ParamSpec, map_specs
 
 
 @struct.dataclass

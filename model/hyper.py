@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.model.config import HyperConfig
-from dayzero.model.weights import HyperWeights
+from dayzero.model.compressed_weights import HyperWeights
 
 
 def expand(x: jax.Array, config: HyperConfig) -> jax.Array:

@@ -38,7 +38,8 @@ from dayzero.kernels.tiles import masked_softmax
 from dayzero.model.kernel_attention import HeadSplit, KernelLayer, NewTokensLayer, PagedKernelCache
 from dayzero.model.quant import as_stored, dequantized
 from dayzero.model.rope import apply_rope, rope_cos_sin
-from dayzero.model.weights import AttentionWeights, HyperWeights, LayerWeights, MLPWeights, MoEWeights, Weights
+from dayzero.model.compressed_weights import HyperWeights
+from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
 
 
 def mlp(w: MLPWeights, x: jax.Array) -> jax.Array:

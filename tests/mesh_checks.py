@@ -277,11 +277,12 @@ def per_shard_norm(shards: int):
 
     real_norm = transformer.rms_norm
 
-    def norm(x, w, eps, axes=-1):
+    def norm(x, w, eps, axes=-1, offset=0.0):
         if axes == -1:
-            return real_norm(x, w, eps)
+            return real_norm(x, w, eps, offset=offset)
         *lead, n, h = x.shape
-        return real_norm(x.reshape(*lead, shards, n // shards * h), w.reshape(shards, -1), eps).reshape(x.shape)
+        return real_norm(x.reshape(*lead, shards, n // shards * h), w.reshape(shards, -1), eps,
+                         offset=offset).reshape(x.shape)
 
     return norm
 

@@ -54,6 +54,7 @@ def _expected_bytes(context: int) -> tuple[int, int]:
     return twin, hybrid
 
 
+@pytest.mark.slow  # 14 s, four whole-model compiles (suite time); the option checks below stay default
 def test_tiny_run_reports_both_models_and_hand_counted_cache_bytes(tmp_path, capsys):
     out = tmp_path / "linear.json"
     result = _bench().main(["--contexts", ",".join(map(str, CONTEXTS)), "--steps", "2", "--warmup", "1",

@@ -78,9 +78,12 @@ def assert_close(actual, expected, dtype):
 DECAYS = {"gdn": False, "kda": True}
 # Decay kind x dtype: both decays in fp32; bf16 (a load-time cast, the same for both) with per-head decay.
 CASES = {"gdn-fp32": (False, F32), "kda-fp32": (True, F32), "gdn-bf16": (False, BF16)}
+# The bf16 case runs under -m slow (suite time): the fp32 cases check the same kernel code.
+CASE_PARAMS = [pytest.param(*v, id=k, marks=pytest.mark.slow) if "bf16" in k else pytest.param(*v, id=k)
+               for k, v in CASES.items()]
 
 
-@pytest.mark.parametrize("decay, dtype", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("decay, dtype", CASE_PARAMS)
 def test_chunked_grouped_heads_ragged(decay, dtype):
     """GQA-style heads (Hk=2 serve Hv=4), T=37 (two full chunks of 16 and a partial one), an
     initial state, rows with 37, 20 (ends mid-chunk) and 0 real tokens (state passes through,
@@ -95,6 +98,7 @@ def test_chunked_grouped_heads_ragged(decay, dtype):
     assert not out[1, 20:].any() and not out[2].any()  # padding tokens read out 0
 
 
+@pytest.mark.slow  # 5 s (suite time); the reference's strong-decay case is checked against HF by default
 @pytest.mark.parametrize("decay", DECAYS.values(), ids=DECAYS.keys())
 def test_chunked_fresh_state_strong_decay(decay):
     """No initial state, all tokens real (num_new None), Hk == Hv (Kimi's layout), chunks of 32
@@ -138,7 +142,7 @@ def test_chunked_chunk64_wider_heads(decay):
 # --- recurrent (decode), interpret mode ---
 
 
-@pytest.mark.parametrize("decay, dtype", CASES.values(), ids=CASES.keys())
+@pytest.mark.parametrize("decay, dtype", CASE_PARAMS)
 def test_step_decode_ragged(decay, dtype):
     """Decode: one token per row, a row with none (a padding slot: state untouched, output 0);
     then a 3-token verify step with rows of 3, 1 and 0 real tokens."""

@@ -202,6 +202,7 @@ def test_pool_rows_gather_and_scatter():
             np.testing.assert_array_equal(got[:2], before[:2])
 
 
+@pytest.mark.slow  # 11 s (suite time): the slot gather/scatter test above covers the pool's mechanics by default
 def test_served_small_hybrid_matches_generate():
     """Two requests through one slot (the second starts where the first left its states), one
     greedy and one sampled, on a 2-layer hybrid (GDN, attention; random weights): the tokens and

@@ -19,7 +19,7 @@ import torch
 from dayzero.model.compressor import (CompressorState, compress, empty_state, index_keys, index_scores,
                                       index_select, ring_positions, ring_write)
 from dayzero.model.config import (AttentionKind, CompressedConfig, Family, ModelConfig, RopeConfig)
-from dayzero.model.weights import CompressedIndexerWeights, CompressorWeights
+from dayzero.model.compressed_weights import CompressedIndexerWeights, CompressorWeights
 from tests.v4_helpers import tiny_hf_model
 
 SEQ = 150

@@ -20,7 +20,7 @@ import torch
 
 from dayzero.model import hyper
 from dayzero.model.config import HyperConfig
-from dayzero.model.weights import HyperWeights
+from dayzero.model.compressed_weights import HyperWeights
 from tests.v4_helpers import tiny_hf_model
 
 TOL = 1e-5  # fp32, relative to the largest magnitude of the reference
