@@ -332,8 +332,7 @@ def forward(
         return logits, _additions(config, cache, new, num_new, rope_len)
     states = tuple(n for i, n in enumerate(new) if config.is_linear_layer(i))
     attn_new = [n for i, n in enumerate(new) if not config.is_linear_layer(i)]
-    attn_cache = cache.attn if isinstance(cache, HybridCache) else cache
-    return logits, NewHybrid(attn=_additions(config, attn_cache, attn_new, num_new, rope_len), states=states,
+    return logits, NewHybrid(attn=_additions(config, attn_view, attn_new, num_new, rope_len), states=states,
                              num_new=num_new)
 
 
