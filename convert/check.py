@@ -199,7 +199,7 @@ def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
     reader = source.reader
     names = set(reader.keys())
     # The layout the checkpoint has (per-expert or fused MoE tensors), as the converter picks it.
-    pairs = source_tensors(name_map.layout_for(names))
+    pairs = source_tensors(name_map.layout_for(names, reader.shape))
     wanted = {name for name, _ in pairs}
     present = [(name, r) for name, r in pairs if name in names]
     missing = [name for name, _ in pairs if name not in names]

@@ -14,26 +14,28 @@ Layout of a converted checkpoint ``DST``::
 A quantized leaf is stored as two arrays, ``attn/q/values`` and ``attn/q/scale``, as the
 quantized abstract tree (``abstract_weights(config, stored_quantization(manifest))``) declares.
 
-One checkpoint per layer is what keeps conversion streaming (one layer's arrays in memory at a
-time) and lets a loader restore group by group.
+One checkpoint per layer lets a loader restore group by group and a conversion resume group by
+group; the converter fills each one piece by piece (:class:`GroupWriter`), so its memory follows
+the largest tensor, not the group.
 
-Converted for a mesh (``convert --mesh``), each leaf is written as a ``jax.Array`` laid out by
-the mesh's rules: its zarr chunks are the per-device shards (split further down to
-``CHUNK_BYTES``), each process writes the shards it holds, and the manifest records the mesh,
-the rules and every leaf's partition spec. Without a mesh, arrays are written whole from the
-host. Either way the loader restores every leaf straight into whatever sharding the loading run
-asks for: chunks are a storage layout, not a constraint on the reader.
+Converted for a mesh (``convert --mesh``), each leaf is laid out by the mesh's rules: its zarr
+chunks are the per-device shards (split further down to ``CHUNK_BYTES``), each process writes the
+shards it holds, and the manifest records the mesh, the rules and every leaf's partition spec.
+Either way the loader restores every leaf straight into whatever sharding the loading run asks
+for: chunks are a storage layout, not a constraint on the reader.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import importlib.metadata
 import json
 import logging
+import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -61,8 +63,18 @@ def dayzero_version() -> str:
 
 def array_sha256(x: np.ndarray) -> str:
     """sha256 of an array's bytes in C order (its stored representation)."""
+    return hashlib.sha256(_raw_bytes(x)).hexdigest()
+
+
+def update_sha256(h: Any, x: np.ndarray) -> None:
+    """Feed an array's bytes in C order to a running sha256 ``h``: slices along axis 0 fed in
+    order hash as the whole array does (:func:`array_sha256`)."""
+    h.update(_raw_bytes(x))
+
+
+def _raw_bytes(x: np.ndarray) -> np.ndarray:
     # Viewed as raw bytes: the buffer protocol does not know ml_dtypes' bfloat16.
-    return hashlib.sha256(np.ascontiguousarray(x).reshape(-1).view(np.uint8)).hexdigest()
+    return np.ascontiguousarray(x).reshape(-1).view(np.uint8)
 
 
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
@@ -103,66 +115,248 @@ class _DropOcdbtMergeNotice(logging.Filter):
         return "Skipping merge of OCDBT" not in record.getMessage()
 
 
+def _glibc() -> Any:
+    """glibc, or None (another C library: the calls below are glibc's)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
 def _release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc keeps them in its arenas otherwise)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _map_large_allocations(during: bool) -> None:
+    """While converting, every allocation of 1 MiB or more is its own mapping, returned to the
+    OS when freed. glibc would otherwise raise its threshold to 32 MiB after the first large
+    free and serve source tensors, transformed copies and tensorstore's chunk buffers from
+    per-thread arenas that keep their pages (malloc_trim gives back only part): measured,
+    60-130 MB above the tensors themselves. Afterwards the threshold is set where glibc's own
+    adjustment settles in a process that frees large arrays (its 64-bit ceiling, 32 MiB,
+    trimming at twice that), since the adjustment cannot be turned back on."""
+    libc = _glibc()
+    if libc is None:
+        return
+    if during:
+        libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 2 << 20)
+    else:
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        libc.mallopt(_M_TRIM_THRESHOLD, 64 << 20)
+
+
+@dataclasses.dataclass
+class Rows:
+    """Rows ``[start, start + len(values))`` (along axis 0) of one array of a group, keyed by its
+    path inside the group; ``while_writing`` runs while they are written (an in-order hash),
+    ``written`` once they are on disk (and this writer holds them no more)."""
+
+    key: tuple[str, ...]
+    start: int
+    values: np.ndarray
+    while_writing: Callable[[], None] | None = None
+    written: Callable[[], None] | None = None
+
+
+# Chunks tensorstore encodes at once: each holds up to CHUNK_BYTES raw and as much encoded, so
+# this bounds the writer's own buffers (cores alone would make them grow with the machine).
+ENCODE_CONCURRENCY = 2
 
 
 class GroupWriter:
-    """Saves one group at a time with Orbax, synchronously, holding no copy of it.
+    """Writes one group at a time, one piece of one array at a time, holding no copy of it.
 
-    Orbax's default (``StandardCheckpointer``) deep-copies host arrays before its asynchronous
-    write and, with OCDBT, buffers the encoded data until commit: together about three times a
-    group. We write the same PyTree format (``StandardCheckpointer`` restores it) with a
-    synchronous ``Checkpointer``, no deep copy (nothing mutates the arrays while we wait), plain
-    zarr instead of OCDBT, and bounded chunks -- the peak stays near one group.
+    Orbax writes the group's checkpoint -- its tree (``_METADATA``) and each array's zarr
+    metadata (format, compressor, fill value) -- from one-element placeholders; each array is
+    then made at its real shape with the same metadata and filled in place through
+    tensorstore, piece by piece. So the loop drops a leaf (or a slice of experts) as soon as it
+    is on disk, and memory follows the largest piece, not the group. The result is the PyTree
+    format Orbax's ``StandardCheckpointer`` restores: plain zarr (no OCDBT), every chunk stored
+    (zeros too, as Orbax does), chunks of at most ``CHUNK_BYTES``.
+
+    Laid out for a mesh (``shardings``), each array's chunks are its per-device shards (split
+    further down to ``CHUNK_BYTES``) and each process writes the distinct shards its devices
+    hold; without one, process 0 writes everything (every process has the same values).
     """
 
     def __init__(self, root: Path):
         import orbax.checkpoint as ocp
+        import tensorstore as ts
         from orbax.checkpoint import type_handlers
 
-        self._ocp = ocp
+        self._ocp, self._ts = ocp, ts
         self.root = root / "weights"
         if is_primary_process():  # in a multi-process run, one process makes the directories
             self.root.mkdir(parents=True, exist_ok=True)  # exists when resuming
         barrier("dayzero-convert-weights-dir")
         registry = type_handlers.create_type_handler_registry(
             (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-            (jax.Array, type_handlers.ArrayHandler()),
         )
         handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False, type_handler_registry=registry)
         self._ckpt = ocp.Checkpointer(handler)
+        self._context = ts.Context({"data_copy_concurrency": {"limit": ENCODE_CONCURRENCY}})
+        self._pending: tuple[list[Any], Rows] | None = None  # the piece being written
+        _map_large_allocations(True)
 
-    def save(self, group: str, arrays: dict[tuple[str, ...], np.ndarray], shardings: dict | None = None) -> None:
-        """Write ``arrays`` (keyed by their path inside the group) as ``weights/<group>``.
+    def save(self, group: str, leaves: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]],
+             pieces: Iterable[Rows], shardings: dict | None = None) -> None:
+        """Write ``weights/<group>``: its arrays (``{key: (shape, dtype)}``, keyed by their path
+        inside the group) filled from ``pieces``, which together cover every row of each.
 
-        With ``shardings`` (same keys), each array is first laid out as a global ``jax.Array``
-        with that sharding (every process passes the same host values and keeps its own
-        shards), so Orbax writes one set of chunks per shard.
+        A piece is still being written while the next one is asked for and started; then it is
+        waited for, dropped and reported ``written`` (see :meth:`flush`): at most two are held
+        here at once. ``shardings`` (same keys): lay each array out for its mesh.
         """
-        if shardings is not None:
-            arrays = {k: _global_array(v, shardings[k]) for k, v in arrays.items()}
-        tree = nest(arrays)
-        save_args = jax.tree.map(lambda _: self._ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), tree)
+        directory = self.root / group
+        self._save_placeholders(directory, leaves)
+        arrays = self._make_arrays(directory, leaves, shardings or {})
+        try:
+            for piece in pieces:
+                writes = self._start(*arrays[piece.key], piece)
+                self.flush()
+                self._pending = (writes, piece)
+                del piece, writes
+            self.flush()
+        except BaseException:
+            self._abandon()
+            raise
+        barrier(f"dayzero-convert-wrote-{group}")  # every process's shards are on disk
+
+    def flush(self) -> None:
+        """Wait for the piece being written, drop it and report it ``written`` (if there is one)."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._finish(*pending)
+
+    def _abandon(self) -> None:
+        """After a failure: let the write in flight end (nothing then writes into a staging
+        directory that may be removed next); it is not reported written."""
+        pending, self._pending = self._pending, None
+        for w in pending[0] if pending is not None else ():
+            try:
+                w.result()
+            except Exception:  # noqa: BLE001 - the failure being raised is the one to report
+                pass
+
+    def _save_placeholders(self, directory: Path, leaves: dict) -> None:
+        tree = nest({key: np.zeros((1,) * len(shape), dtype) for key, (shape, dtype) in leaves.items()})
         notice = _DropOcdbtMergeNotice()
         logging.getLogger("absl").addFilter(notice)
         try:
-            self._ckpt.save(self.root / group, args=self._ocp.args.PyTreeSave(tree, save_args=save_args))
+            self._ckpt.save(directory, args=self._ocp.args.PyTreeSave(tree))
         finally:
             logging.getLogger("absl").removeFilter(notice)
-        _release_freed_memory()
+
+    def _spec(self, directory: Path, key: tuple[str, ...]) -> dict[str, Any]:
+        """The tensorstore spec of an array of the group, as Orbax writes and reads it."""
+        return {"driver": "zarr", "kvstore": {"driver": "file", "path": str(directory / ".".join(key))},
+                "store_data_equal_to_fill_value": True}  # Orbax's reads want every chunk present
+
+    def _make_arrays(self, directory: Path, leaves: dict, shardings: dict) -> dict[tuple[str, ...], tuple]:
+        """``{key: (array, regions this process writes)}``: each placeholder remade at its shape."""
+        for key, (shape, dtype) in leaves.items():
+            if is_primary_process():
+                spec = self._spec(directory, key)
+                tiny = self._ts.open(spec, open=True, context=self._context).result()
+                sharding = shardings.get(key)
+                shard = tuple(shape) if sharding is None else sharding.shard_shape(tuple(shape))
+                metadata = {**tiny.spec().to_json()["metadata"], "shape": list(shape),
+                            "chunks": list(shard_chunks(shard, np.dtype(dtype).itemsize))}
+                self._ts.open({**spec, "metadata": metadata}, create=True, delete_existing=True,
+                              context=self._context).result()
+        barrier(f"dayzero-convert-arrays-{directory.name}")
+        arrays = {}
+        for key, (shape, dtype) in leaves.items():
+            store = self._ts.open(self._spec(directory, key), open=True, context=self._context).result()
+            if tuple(store.shape) != tuple(shape) or store.dtype.numpy_dtype != np.dtype(dtype):
+                raise AssertionError(f"{directory.name}/{'.'.join(key)} is {store.shape} {store.dtype}, "
+                                     f"not {shape} {dtype}")
+            arrays[key] = (store, _regions(tuple(shape), shardings.get(key)))
+        return arrays
+
+    @staticmethod
+    def _start(store: Any, regions: list[tuple[slice, ...]], piece: Rows) -> list[Any]:
+        """Start writing ``piece`` (and run its ``while_writing``); return the writes to wait for."""
+        values = piece.values
+        if values.dtype != store.dtype.numpy_dtype:  # tensorstore would cast, and the checksum would lie
+            raise AssertionError(f"a {values.dtype} piece of {'.'.join(piece.key)} for a {store.dtype} array")
+        if values.ndim == 0:
+            writes = [store.write(values)] if regions else []
+        else:
+            rows = slice(piece.start, piece.start + values.shape[0])
+            writes = []
+            for region in regions:
+                lo, hi = max(rows.start, region[0].start), min(rows.stop, region[0].stop)
+                if lo < hi:
+                    target = (slice(lo, hi), *region[1:])
+                    part = values[(slice(lo - rows.start, hi - rows.start), *region[1:])]
+                    # The values stay alive until the write is done: tensorstore need not copy them.
+                    writes.append(store[target].write(part, can_reference_source_data_indefinitely=True))
+        if piece.while_writing is not None:
+            piece.while_writing()
+        return writes
+
+    @staticmethod
+    def _finish(writes: list[Any], piece: Rows) -> None:
+        """Wait for ``piece``'s writes, drop it and report it written."""
+        for w in writes:
+            w.result()
+        written, piece.values, piece.while_writing = piece.written, None, None
+        del piece
+        _release_freed_memory()  # tensorstore's encoding buffers, freed into per-thread arenas
+        if written is not None:
+            written()
 
     def close(self) -> None:
         """Release Orbax's resources."""
         self._ckpt.close()
+        _map_large_allocations(False)
 
 
-def _global_array(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
-    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+def _regions(shape: tuple[int, ...], sharding: Any) -> list[tuple[slice, ...]]:
+    """The parts of an array this process writes: all of it on process 0 without a sharding;
+    with one, each distinct shard once, by the first device (in id order) that holds it, when
+    that device is this process's."""
+    if sharding is None:
+        return [tuple(slice(0, n) for n in shape)] if is_primary_process() else []
+    seen, mine = set(), []
+    for device, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
+        region = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+        bounds = tuple((s.start, s.stop) for s in region)
+        if bounds not in seen:
+            seen.add(bounds)
+            if device.process_index == jax.process_index():
+                mine.append(region)
+    return mine
+
+
+def shard_chunks(shard: tuple[int, ...], itemsize: int, limit: int = CHUNK_BYTES) -> tuple[int, ...]:
+    """A chunk shape that tiles ``shard`` exactly and holds at most ``limit`` bytes where it can.
+
+    Axes are cut in order, the leading one first, each by the largest divisor of its length
+    that fits: a slice of experts (or rows) then covers whole chunks, so writing it never reads
+    back, merges and rewrites a chunk that spans the whole stack."""
+    chunk = [max(1, n) for n in shard]
+    for axis, n in enumerate(chunk):
+        others = math.prod(chunk) // n * itemsize
+        if n * others <= limit:
+            break
+        chunk[axis] = max((d for d in _divisors(n) if d * others <= limit), default=1)
+    return tuple(chunk)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in small]
 
 
 def write_manifest(root: Path, manifest: dict[str, Any]) -> None:

@@ -2,10 +2,10 @@
 
 Target-driven: for each group (globals, then one per layer), for each leaf, read its source
 tensor (or, for stacked experts, each of its source tensors in turn), check its shape before
-touching the values, transform, cast to the storage dtype, check it is finite, and add it to the
-group; save the group with Orbax and drop it. Peak memory is about the largest group plus
-``threads`` leaves (those being made, or read ahead while the group is written), never the
-whole model.
+touching the values, transform, cast to the storage dtype, check it is finite, write it into
+the group's checkpoint and drop it. Peak memory follows the largest tensor, not a group: by
+default about twice it (a tensor read and its transformed copy), or ``max_memory``, for which a
+stack of experts too large is made and written a slice of experts at a time.
 
 With ``quantize``, each projection the scheme quantizes is stored as ``<leaf>/values`` and
 ``<leaf>/scale`` (``dayzero.convert.quantize``) and the scheme is recorded in the manifest.
@@ -15,14 +15,16 @@ manifest (written last) is on disk. Each completed group is recorded there, so a
 is interrupted, killed or fails midway (a full disk) continues with ``resume``
 (``dayzero.convert.staging``); a bad input (:class:`ConvertError`) removes the staging directory.
 
-The leaves are read, transformed and hashed by a pool of ``threads`` threads, a group plus
-``threads`` leaves at a time, and the source files' sha256 runs in that pool too
+The leaves are read, transformed and hashed by a pool of ``threads`` threads, as many at a
+time as the memory budget allows, and the source files' sha256 runs in that pool too
 (``dayzero.convert.parallel``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import math
 import os
@@ -32,20 +34,22 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import ml_dtypes
 import numpy as np
 from tqdm import tqdm
 
-from dayzero.convert.checkpoint import GroupWriter, array_sha256, dayzero_version, file_sha256, write_manifest
+from dayzero.convert.checkpoint import (
+    GroupWriter, Rows, array_sha256, dayzero_version, file_sha256, update_sha256, write_manifest,
+)
 from dayzero.convert.errors import ConvertError
-from dayzero.convert.quantize import quant_config, quantized_leaf
+from dayzero.convert.quantize import quant_config, quantized_leaf, quantized_nodes
 from dayzero.convert.name_map import (
     Combine, Recipe, check_shape, check_targets, group_of, key_in_group, plan, source_tensors,
 )
-from dayzero.convert.parallel import ReadAhead
+from dayzero.convert.parallel import Piece, ReadAhead, parse_memory, schedule, stored_names
 from dayzero.convert.sources import Source, open_source
 from dayzero.convert.staging import (
     LOCK, PROGRESS, Staging, create, file_stamps, keep_verified, kill_point, open_existing, partial_dir, refusal,
@@ -53,7 +57,7 @@ from dayzero.convert.staging import (
 from dayzero.model.config import ConfigError, ModelConfig
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.quant import QuantConfig, QuantizedArray
-from dayzero.model.weights import abstract_weights, is_spec_node, leaf_path, named_leaves
+from dayzero.model.weights import abstract_weights, named_leaves
 from dayzero.sharding.distributed import barrier, is_primary_process
 
 STORAGE_DTYPES = {
@@ -127,10 +131,16 @@ def _read_part(recipe: Recipe, name: str, source: Source, storage: np.dtype) -> 
         return np.ascontiguousarray(recipe.apply(x), dtype=storage)
     with np.errstate(over="ignore"):  # an overflowing cast is reported just below, by name
         y = np.ascontiguousarray(recipe.apply(x), dtype=storage)
-    if not np.isfinite(y).all():
-        cause = "overflows " + str(storage) if np.isfinite(x).all() else "contains NaN or Inf values"
+    if not _all_finite(y):
+        cause = "overflows " + str(storage) if _all_finite(x) else "contains NaN or Inf values"
         raise ConvertError(f"tensor '{name}' in {where} {cause}; the checkpoint cannot be used as is")
     return y
+
+
+def _all_finite(x: np.ndarray, block: int = 1 << 22) -> bool:
+    """``np.isfinite(x).all()`` a block at a time: no boolean mask as large as the tensor."""
+    flat = x.reshape(-1)
+    return all(bool(np.isfinite(flat[i:i + block]).all()) for i in range(0, flat.size, block))
 
 
 def _make_leaf(recipe: Recipe, source: Source, storage: np.dtype, expected: tuple[int, ...]) -> np.ndarray:
@@ -162,12 +172,6 @@ def _groups(recipes: tuple[Recipe, ...]) -> dict[str, list[Recipe]]:
     return dict(sorted(groups.items(), key=lambda kv: kv[0] != "globals"))
 
 
-def _quantized_nodes(config: ModelConfig, quant: QuantConfig) -> dict[str, QuantizedArray]:
-    """``{leaf path: quantized spec node}`` of the leaves ``quant`` quantizes."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(abstract_weights(config, quant), is_leaf=is_spec_node)
-    return {leaf_path(path): node for path, node in flat if isinstance(node, QuantizedArray)}
-
-
 def _stored_arrays(r: Recipe, source: Source, storage: np.dtype, shape: tuple[int, ...],
                    node: QuantizedArray | None) -> tuple[dict[str, np.ndarray], str | None]:
     """``({suffix: array}, how)`` for one leaf: ``{"": leaf}`` unquantized (how None), else its
@@ -188,6 +192,8 @@ class _Plan:
     quant: QuantConfig
     placement: Any
     fixed: dict[str, np.dtype] = dataclasses.field(default_factory=dict)  # leaves stored in their own dtype
+    pieces: tuple[Any, ...] = ()  # what the read pool makes, in order (``convert.parallel.schedule``)
+    budget: int | None = None  # bytes the pieces being made and written may hold at once
 
     def options(self, source: Source) -> dict[str, Any]:
         """The options that shape the output (a resume must match them all)."""
@@ -197,7 +203,8 @@ class _Plan:
                 "dayzero_version": dayzero_version()}
 
 
-def _plan(source: Source, dtype: str | None, quantize: str | None, placement: Any) -> _Plan:
+def _plan(source: Source, dtype: str | None, quantize: str | None, placement: Any,
+          max_memory: int | None = None) -> _Plan:
     where = str(source.path)
     try:
         config = parse_hf_config(source.hf_config)
@@ -210,21 +217,38 @@ def _plan(source: Source, dtype: str | None, quantize: str | None, placement: An
     fixed = fixed_dtypes(config)
     _check_floating(source, recipes, fixed)
     storage = storage_dtype(dtype, source, recipes, fixed)
-    quant = quant_config(quantize, source)
+    quant = quant_config(quantize, source, config, recipes)
     if placement is not None:
         _check_layout(config, placement)
-    return _Plan(config, recipes, storage, quant, placement, fixed)
+    p = _Plan(config, recipes, storage, quant, placement, fixed)
+    pieces, budget = schedule(recipes, source.reader, _stored(p), set(quantized_nodes(config, quant)), max_memory)
+    return dataclasses.replace(p, pieces=tuple(pieces), budget=budget)
 
 
-def _leaf(r: Recipe, source: Source, p: _Plan, shape: tuple[int, ...], node: QuantizedArray | None,
-          shardings: dict | None) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
-    """``[(name, array, manifest entry)]`` of one leaf: read, transform, cast and hash (a pool task)."""
-    parts, how = _stored_arrays(r, source, p.fixed.get(r.target, p.storage), shape, node)
+def _stored(p: _Plan) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """``{name: (shape, dtype)}`` of every array the checkpoint stores (a quantized leaf's values
+    and scale apart)."""
+    specs = named_leaves(abstract_weights(p.config, p.quant))
+    return {n: (s.shape, p.storage if s.dtype is None else np.dtype(s.dtype)) for n, s in specs.items()}
+
+
+def _make_piece(piece: Piece, source: Source, p: _Plan, shape: tuple[int, ...], node: QuantizedArray | None,
+                shardings: dict | None) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+    """``[(name, array, manifest entry)]`` of one piece: read, transform, cast and, for a whole
+    leaf, hash (a pool task). A slice of experts is made as a leaf of those experts alone (each
+    expert is transformed and quantized on its own, so the slices make up the whole leaf)."""
+    r = piece.recipe
+    made = r if piece.stop is None else dataclasses.replace(r, sources=piece.sources())
+    if piece.stop is not None:
+        shape = (piece.stop - piece.start, *shape[1:])
+    parts, how = _stored_arrays(made, source, p.fixed.get(r.target, p.storage), shape, node)
     out = []
     for suffix, y in parts.items():
         name = f"{r.target}/{suffix}" if suffix else r.target
-        entry = {"group": group_of(r.target), "shape": list(y.shape), "dtype": str(y.dtype),
-                 "sha256": array_sha256(y), "source": r.source if len(r.sources) == 1 else list(r.sources)}
+        whole = list(y.shape) if piece.stop is None else [len(r.sources), *y.shape[1:]]
+        entry = {"group": group_of(r.target), "shape": whole, "dtype": str(y.dtype),
+                 "sha256": array_sha256(y) if piece.stop is None else None,
+                 "source": r.source if len(r.sources) == 1 else list(r.sources)}
         if how:
             entry["quantized"] = how
         if shardings is not None:
@@ -239,11 +263,11 @@ def _source_bytes(source: Source, members: list[Recipe]) -> int:
 
 
 def _files_of(source: Source) -> Any:
-    """``recipe -> [source files it reads]``, or None when the reader cannot tell."""
+    """``source tensor names -> [files they are read from]``, or None when the reader cannot tell."""
     file_of = getattr(source.reader, "file_of", None)
     if file_of is None:
         return None
-    return lambda r: sorted({file_of(n) for n in r.sources})
+    return lambda names: sorted({file_of(n) for n in names})
 
 
 def _group_files(source: Source, members: list[Recipe], stamps: dict[str, list[int]]) -> dict[str, list[int]]:
@@ -251,7 +275,39 @@ def _group_files(source: Source, members: list[Recipe], stamps: dict[str, list[i
     files_of = _files_of(source)
     if files_of is None:
         return stamps
-    return {str(f): stamps[str(f)] for f in sorted({f for r in members for f in files_of(r)})}
+    return {str(f): stamps[str(f)] for f in files_of([n for r in members for n in r.sources])}
+
+
+def _group_pieces(reads: ReadAhead, writer: GroupWriter, pieces: list[Piece], entries: dict[str, Any],
+                  bar: Any) -> Iterator[Rows]:
+    """The writer's pieces of one group, in order, filling ``entries`` (manifest entries by name).
+
+    A sliced leaf's sha256 is fed slice by slice, in order, while each slice is written. A
+    result is released to the read pool once the writer has written all of it (the writer
+    finishes its write first when the pool has no room for the next piece before that); this
+    generator drops its own references to it before asking for the next."""
+    hashes: dict[str, Any] = {}
+    for piece in pieces:
+        index, made = reads.take(writer.flush)
+        for n, (name, y, entry) in enumerate(made):
+            key = key_in_group(name)
+            written = functools.partial(reads.release, index) if n == len(made) - 1 else None
+            if piece.stop is None:
+                entries[name] = entry
+                yield Rows(key, 0, y, written=written)
+                continue
+            if name not in hashes:
+                hashes[name], entries[name] = hashlib.sha256(), entry
+            elif entry.get("quantized") != entries[name].get("quantized"):
+                raise ConvertError(
+                    f"the experts of {piece.recipe.target} are not all stored alike ({entries[name]['quantized']} "
+                    f"and {entry['quantized']}), so they cannot be converted in slices; pass a larger --max-memory")
+            yield Rows(key, piece.start, y, functools.partial(update_sha256, hashes[name], y), written)
+            if piece.last:
+                entries[name]["sha256"] = hashes.pop(name).hexdigest()
+        del made, y, entry
+        if piece.last:
+            bar.update()
 
 
 def _write_weights(staging: Staging, source: Source, p: _Plan, pool: ThreadPoolExecutor, threads: int,
@@ -259,44 +315,49 @@ def _write_weights(staging: Staging, source: Source, p: _Plan, pool: ThreadPoolE
     """Stream every group not yet recorded in ``staging`` into its ``weights/``, recording each;
     return the source files' sha256 (process 0; empty elsewhere).
 
-    The leaves are made by the pool, a group plus ``threads`` leaves at a time (see
-    ``convert.parallel``); each group is then saved and recorded. With a ``placement`` each leaf
-    is written laid out for its mesh (see ``convert.checkpoint``).
+    The pieces (leaves, or slices of experts) are made by the pool within the memory budget
+    (see ``convert.parallel``) and written one at a time as they come (``GroupWriter``); each
+    group is recorded once all of it is on disk. With a ``placement`` each leaf is written laid
+    out for its mesh (see ``convert.checkpoint``).
     """
     specs = named_leaves(abstract_weights(p.config))
-    nodes = _quantized_nodes(p.config, p.quant)
+    stored = _stored(p)
+    nodes = quantized_nodes(p.config, p.quant)
     shardings = (None if p.placement is None
                  else named_leaves(p.placement.shardings(abstract_weights(p.config, p.quant))))
     stamps = file_stamps(source.reader.files)
     todo = {g: m for g, m in _groups(p.recipes).items() if g not in staging.groups}
+    by_group: dict[str, list[Piece]] = {}
+    for piece in p.pieces:
+        by_group.setdefault(group_of(piece.recipe.target), []).append(piece)
+    files_of = _files_of(source)
 
-    def make(r: Recipe) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
-        return _leaf(r, source, p, specs[r.target].shape, nodes.get(r.target), shardings)
+    def make(piece: Piece) -> list[tuple[str, np.ndarray, dict[str, Any]]]:
+        return _make_piece(piece, source, p, specs[piece.recipe.target].shape, nodes.get(piece.recipe.target),
+                           shardings)
 
     primary = is_primary_process()
-    reads = ReadAhead(pool, threads, [(g, r) for g, m in todo.items() for r in m], make, _files_of(source),
-                      source.reader.files, file_sha256 if primary else None)
+    reads = ReadAhead(pool, threads, [pc for g in todo for pc in by_group[g]], make,
+                      None if files_of is None else lambda pc: files_of(pc.sources()), source.reader.files,
+                      file_sha256 if primary else None, cost=lambda pc: pc.cost,
+                      held=lambda made: sum(y.nbytes for _, y, _ in made), budget=p.budget)
     writer = GroupWriter(staging.root)
     bar = tqdm(total=sum(len(m) for m in todo.values()), unit="tensor", file=sys.stderr, disable=not progress,
                desc="converting")
     try:
         for group, members in todo.items():
-            arrays, layout, entries = {}, {}, {}
-            for leaf in reads.group(group):
-                for name, y, entry in leaf:
-                    arrays[key_in_group(name)], entries[name] = y, entry
-                    if shardings is not None:
-                        layout[key_in_group(name)] = shardings[name]
-                bar.update()
-            del leaf, y  # the arrays dict holds the group's only copies now
-            writer.save(group, arrays, layout if shardings is not None else None)
-            del arrays  # the group is on disk; let it go before reading the next one
+            names = [n for r in members for n in stored_names(r, r.target in nodes)]
+            leaves = {key_in_group(n): stored[n] for n in names}
+            layout = None if shardings is None else {key_in_group(n): shardings[n] for n in names}
+            entries: dict[str, Any] = {}
+            writer.save(group, leaves, _group_pieces(reads, writer, by_group[group], entries, bar), layout)
             if primary:
                 if kill_point(len(staging.groups)):
                     os.kill(os.getpid(), signal.SIGKILL)
-                staging.record(group, entries, _group_files(source, members, stamps))
+                staging.record(group, {n: entries[n] for n in names}, _group_files(source, members, stamps))
             stats["bytes_read"] += _source_bytes(source, members)
             bar.set_postfix_str(f"{group} {_rate(stats):.1f} MB/s")
+        stats["peak_reserved"] = reads.peak_reserved
         return reads.file_hashes() if primary else []
     finally:
         bar.close()
@@ -397,7 +458,7 @@ def default_threads() -> int:
 def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: str | None = None,
                        progress: bool = True, quantize: str | None = None, placement: Any = None,
                        resume: bool = False, threads: int | None = None,
-                       stats: dict[str, Any] | None = None) -> Path:
+                       stats: dict[str, Any] | None = None, max_memory: int | str | None = None) -> Path:
     """Convert a source checkpoint into a new dayzero checkpoint directory; return its path.
 
     ``src``: an HF model directory (config.json + safetensors or pytorch_model.bin, sharded or
@@ -405,20 +466,27 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     ``dst``: a directory that must not exist yet. ``dtype``: storage dtype, one of "float32",
     "bfloat16", "float16", or None to keep the source precision (see :func:`storage_dtype`).
     ``progress``: show a progress bar on stderr. ``quantize``: weight quantization, one of
-    none, int8, fp8, fp8-block, int4, mxfp4 (``dayzero.model.quant.WeightQuant``); None keeps
-    an MXFP4 checkpoint's experts as stored and is none otherwise, while none always makes a
-    float model (``dayzero.convert.mxfp4``); dtype then applies to the leaves left in float.
+    none, int8, fp8, fp8-block, int4, mxfp4, mxfp4+fp8-block (``dayzero.model.quant.WeightQuant``);
+    None keeps an MXFP4 checkpoint's experts as stored (and DeepSeek-V4's FP8 weights beside
+    them: mxfp4+fp8-block) and is none otherwise, while none always makes a float model
+    (``dayzero.convert.quantize.quant_config``); dtype then applies to the leaves left in float.
     ``placement`` (a ``dayzero.sharding.placement.Placement``): write the arrays laid out for its mesh (any mesh,
     or one device, can still load them). ``resume``: continue the interrupted conversion staged
     in ``DST.partial`` (see :mod:`dayzero.convert.staging`); without it such a directory is an
     error. ``threads``: how many source tensors are read, transformed and hashed at once
-    (default :func:`default_threads`). ``stats``: if given, filled with ``bytes_read``,
-    ``seconds``, ``mb_per_s``, ``threads``, ``groups_converted`` and ``groups_kept``.
+    (default :func:`default_threads`). ``max_memory`` (bytes, or a size such as "8GiB"): what the
+    tensors being read, transformed and written may hold at once; a stack of experts that needs
+    more is made and written a slice of experts at a time (the checkpoint is the same). By
+    default it is what the largest leaf needs, about twice the largest tensor. ``stats``: if
+    given, filled with ``bytes_read``, ``seconds``, ``mb_per_s``, ``threads``, ``memory_budget``,
+    ``pieces`` (leaves and slices of experts made), ``peak_reserved`` (the most bytes the read pool
+    reserved at once), ``groups_converted`` and ``groups_kept``.
     Raises :class:`ConvertError` for any problem with the inputs, leaving nothing behind; a run
     interrupted, killed or failing otherwise (a full disk) after its first group keeps
     ``DST.partial`` for ``resume``.
     """
     src, dst = Path(src), Path(dst)
+    max_memory = parse_memory(max_memory)
     threads = default_threads() if threads is None else threads
     if threads < 1:
         raise ConvertError(f"{threads} read threads is not a positive number; pass --threads 1 or more")
@@ -431,12 +499,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
         raise ConvertError("--resume works in a single-process conversion only; run it without --num-processes")
     barrier("dayzero-convert-looked")  # every process has looked before process 0 makes the staging
     source = open_source(src)
-    p = _plan(source, dtype, quantize, placement)
+    p = _plan(source, dtype, quantize, placement, max_memory)
     dst.parent.mkdir(parents=True, exist_ok=True)
     staging = _open_staging(partial, source, p.options(source), resume, progress)
     stats = {} if stats is None else stats
     kept = len(staging.groups)
-    stats.update(bytes_read=0, threads=threads, groups_kept=kept, _start=time.perf_counter())
+    stats.update(bytes_read=0, threads=threads, memory_budget=p.budget, pieces=len(p.pieces), groups_kept=kept,
+                 _start=time.perf_counter())
     try:
         _convert_into(staging, source, p, progress, threads, stats)
         if is_primary_process():

@@ -13,7 +13,8 @@ are read by ``dayzero.convert.mxfp4.RowFp4Reader``, so only ``float8_e4m3fn`` we
 float32 tensor and its scale disappears from the name space: the name maps, the streaming loop
 and the checks never see FP8 at all. Norms, the router and biases stay in their own dtypes.
 Converting with ``--quantize fp8-block`` reads the stored FP8 values and scales instead
-(:meth:`Fp8DequantReader.get_scaled`, used by ``dayzero.convert.quantize``) and keeps them.
+(:meth:`Fp8DequantReader.get_scaled`, used by ``dayzero.convert.quantize``) and keeps them, as
+a DeepSeek-V4 checkpoint with FP4 experts does by default (``mxfp4+fp8-block``).
 """
 
 from __future__ import annotations

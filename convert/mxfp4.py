@@ -27,7 +27,8 @@ What ``dayzero convert`` does with them (``convert.quantize.quant_config``), as 
 llama.cpp users expect of gpt-oss (both run its experts in MXFP4 as published):
 
 - no ``--quantize``: the experts stay MXFP4 as stored (``WeightQuant.MXFP4``, scales per 32
-  inputs), everything else keeps its float dtype;
+  inputs), everything else keeps its float dtype; a DeepSeek-V4 source's FP8 weights stay FP8
+  beside them (``WeightQuant.MXFP4_FP8_BLOCK``, ``convert.quantize.quant_config``);
 - ``--quantize none``: a float model, the experts dequantized exactly (bfloat16 unless
   ``--dtype`` says otherwise);
 - any other scheme: quantized from the dequantized float weights, like a float source.

@@ -84,14 +84,19 @@ class NameMap:
     is_ignored: Callable[[str], bool]
     alternatives: tuple[tuple[Recipe, ...], ...] = ()
 
-    def layout_for(self, names: Iterable[str]) -> tuple[Recipe, ...]:
-        """The first layout whose every source tensor is in ``names``; else the main one
+    def layout_for(self, names: Iterable[str],
+                   shape_of: Callable[[str], tuple[int, ...]] | None = None) -> tuple[Recipe, ...]:
+        """The first layout whose every source tensor is in ``names`` (and, given ``shape_of``,
+        has the recipe's shape: two layouts may spell a tensor alike and differ in its layout,
+        as Qwen3-VL-MoE's experts); else the first whose names are all there; else the main one
         (so that problems are reported against the layout of published checkpoints)."""
         names = set(names)
-        for recipes in (self.recipes, *self.alternatives):
-            if all(s in names for r in recipes for s in r.sources):
+        layouts = (self.recipes, *self.alternatives)
+        named = [recipes for recipes in layouts if all(s in names for r in recipes for s in r.sources)]
+        for recipes in named if shape_of is not None else ():
+            if all(tuple(shape_of(s)) == r.source_shape for r in recipes for s in r.sources):
                 return recipes
-        return self.recipes
+        return named[0] if named else self.recipes
 
 
 def source_tensors(recipes: Iterable[Recipe]) -> list[tuple[str, Recipe]]:
@@ -100,15 +105,19 @@ def source_tensors(recipes: Iterable[Recipe]) -> list[tuple[str, Recipe]]:
 
 
 def group_of(target: str) -> str:
-    """Checkpoint group of a leaf: ``layer_003`` for ``layers/3/...``, else ``globals``."""
+    """Checkpoint group of a leaf: ``layer_003`` for ``layers/3/...``, ``vision`` for the vision
+    tower's ``vision/...``, else ``globals``."""
     parts = target.split("/")
+    if parts[0] == "vision":
+        return "vision"
     return f"layer_{int(parts[1]):03d}" if parts[0] == "layers" else "globals"
 
 
 def key_in_group(target: str) -> tuple[str, ...]:
-    """The leaf's key path inside its group (``("attn", "q")`` for ``layers/3/attn/q``)."""
+    """The leaf's key path inside its group (``("attn", "q")`` for ``layers/3/attn/q``,
+    ``("blocks", "0", "attn", "q")`` for ``vision/blocks/0/attn/q``)."""
     parts = tuple(target.split("/"))
-    return parts[2:] if parts[0] == "layers" else parts
+    return parts[2:] if parts[0] == "layers" else parts[1:] if parts[0] == "vision" else parts
 
 
 # --- Hugging Face (llama / mistral / qwen2 / qwen3 / mixtral / qwen3_moe / deepseek / glm4_moe /
@@ -294,21 +303,23 @@ def _hf_gpt_oss_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
     ]
 
 
-def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP) -> list[Recipe]:
+def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP, prefix: str = "model.") -> list[Recipe]:
     D = c.hidden_size
-    src, dst = f"model.layers.{i}.", f"layers/{i}/"
+    src, dst = f"{prefix}layers.{i}.", f"layers/{i}/"
     r = [Recipe(dst + "attn_norm", src + "input_layernorm.weight", (D,))]
     r += _hf_mla(c, src, dst, i) if c.mla is not None else _hf_gqa(c, src, dst)
     r.append(Recipe(dst + "mlp_norm", src + "post_attention_layernorm.weight", (D,)))
     return r + (experts if c.is_moe_layer(i) else _hf_dense_mlp)(c, src, dst)
 
 
-def _hf_recipes(c: ModelConfig, experts: LayerMLP) -> tuple[Recipe, ...]:
+def _hf_recipes(c: ModelConfig, experts: LayerMLP, prefix: str = "model.") -> tuple[Recipe, ...]:
+    """The whole text model with the decoder under ``prefix`` (``model.language_model.`` in the
+    multimodal files); ``lm_head`` stays at the top level."""
     D, V = c.hidden_size, c.vocab_size
-    recipes = [Recipe("embed", "model.embed_tokens.weight", (V, D))]
+    recipes = [Recipe("embed", prefix + "embed_tokens.weight", (V, D))]
     for i in range(c.num_layers):
-        recipes += _hf_layer(c, i, experts)
-    recipes.append(Recipe("final_norm", "model.norm.weight", (D,)))
+        recipes += _hf_layer(c, i, experts, prefix)
+    recipes.append(Recipe("final_norm", prefix + "norm.weight", (D,)))
     if not c.tie_word_embeddings:
         recipes.append(Recipe("lm_head", "lm_head.weight", (V, D), (T.transpose,)))
     return tuple(recipes)
@@ -330,8 +341,14 @@ def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
 
 def hf_name_map(c: ModelConfig) -> NameMap:
     """Map for HF ``*ForCausalLM`` state dicts of the llama, mistral, qwen2, qwen3, mixtral,
-    qwen3_moe, deepseek_v3, kimi_k2, deepseek_v32, glm_moe_dsa, glm4_moe, minimax_m2 and gpt_oss families; MoE
-    experts per expert, or fused as an alternative layout (gpt_oss: its one layout)."""
+    qwen3_moe, qwen2_moe, deepseek_v3, kimi_k2, deepseek_v32, glm_moe_dsa, glm4_moe, minimax_m2 and gpt_oss
+    families; MoE experts per expert, or fused as an alternative layout (gpt_oss: its one layout).
+    With a vision tower (Qwen3-VL, Qwen3.5's multimodal files), the composite model's map: the
+    text model's spellings, each with the tower's (``dayzero.convert.name_map_vision``)."""
+    if c.vision is not None:
+        from dayzero.convert.name_map_vision import composite_name_map
+
+        return composite_name_map(c)
 
     def ignored(name: str) -> bool:
         # A tied model may still carry a copy of the embedding as lm_head.weight: it is not read.
@@ -348,14 +365,20 @@ def hf_name_map(c: ModelConfig) -> NameMap:
         return linear_name_map(c)
     if c.family is Family.GPT_OSS:  # its experts have one layout only
         return NameMap(_hf_recipes(c, _hf_gpt_oss_experts), ignored)
+    if c.family is Family.QWEN2_MOE:  # Qwen3-Next's MoE block spelling (gated shared expert)
+        from dayzero.convert.name_map_linear import _qwen_moe
+
+        block = lambda fused: lambda c, src, dst: _qwen_moe(c, src + "mlp.", dst + "mlp/", fused)  # noqa: E731
+        return NameMap(_hf_recipes(c, block(False)), ignored, (_hf_recipes(c, block(True)),))
     fused = (_hf_recipes(c, _hf_fused_experts),) if c.moe is not None else ()
     return NameMap(_hf_recipes(c, _hf_experts), ignored, fused)
 
 
-# --- GGUF (llama.cpp's llama, qwen2, qwen3, qwen3moe and minimax-m2 architectures) ----------------
+# --- GGUF (llama.cpp's llama, qwen2, qwen3, qwen3moe, qwen2moe, minimax-m2 and deepseek2) --------
 
 # The families llama.cpp writes in these layouts (the GGUF source's config says which one a file is).
-_GGUF_FAMILIES = (Family.LLAMA, Family.QWEN2, Family.QWEN3, Family.QWEN3_MOE, Family.MINIMAX_M2)
+_GGUF_FAMILIES = (Family.LLAMA, Family.QWEN2, Family.QWEN3, Family.QWEN3_MOE, Family.MINIMAX_M2, Family.QWEN2_MOE,
+                  Family.DEEPSEEK_V3)
 
 
 def _gguf_attention(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
@@ -406,7 +429,7 @@ def _gguf_mlp(c: ModelConfig, i: int, src: str, dst: str) -> list[Recipe]:
         ]
     E, F = c.moe.num_experts, c.moe.intermediate_size
     bias = [Recipe(dst + "mlp/score_bias", src + "exp_probs_b.bias", (E,))] if c.moe.score_bias else []
-    return bias + [
+    return bias + _gguf_shared(c, src, dst) + [
         Recipe(dst + "mlp/router", src + "ffn_gate_inp.weight", (E, D), (T.transpose,)),
         Recipe(dst + "mlp/gate", src + "ffn_gate_exps.weight", (E, F, D), (T.transpose_experts,)),
         Recipe(dst + "mlp/up", src + "ffn_up_exps.weight", (E, F, D), (T.transpose_experts,)),
@@ -414,34 +437,58 @@ def _gguf_mlp(c: ModelConfig, i: int, src: str, dst: str) -> list[Recipe]:
     ]
 
 
-def _gguf_layer(c: ModelConfig, i: int) -> list[Recipe]:
+def _gguf_shared(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
+    """The shared expert ``ffn_{gate,up,down}_shexp`` [S, D] / [D, S] and, with a gate (qwen2moe),
+    ``ffn_gate_inp_shexp`` [D] (llama.cpp's converter squeezes HF's [1, D] to one row)."""
+    if not c.moe.shared_experts:
+        return []
+    D, S = c.hidden_size, c.moe.shared_width
+    gate = [Recipe(dst + "mlp/shared_gate", src + "ffn_gate_inp_shexp.weight", (D,))] if c.moe.shared_gate else []
+    return gate + [
+        Recipe(dst + "mlp/shared/gate", src + "ffn_gate_shexp.weight", (S, D), (T.transpose,)),
+        Recipe(dst + "mlp/shared/up", src + "ffn_up_shexp.weight", (S, D), (T.transpose,)),
+        Recipe(dst + "mlp/shared/down", src + "ffn_down_shexp.weight", (D, S), (T.transpose,)),
+    ]
+
+
+def _gguf_layer(c: ModelConfig, i: int, split_kv_b: bool) -> list[Recipe]:
     D = c.hidden_size
     src, dst = f"blk.{i}.", f"layers/{i}/"
     r = [Recipe(dst + "attn_norm", src + "attn_norm.weight", (D,))]
-    r += _gguf_attention(c, src, dst)
+    if c.mla is not None:  # deepseek2 (dayzero.convert.name_map_gguf_mla)
+        from dayzero.convert.name_map_gguf_mla import gguf_mla
+
+        r += gguf_mla(c, src, dst, split_kv_b)
+    else:
+        r += _gguf_attention(c, src, dst)
     r.append(Recipe(dst + "mlp_norm", src + "ffn_norm.weight", (D,)))
     return r + _gguf_mlp(c, i, src, dst)
 
 
+def _gguf_recipes(c: ModelConfig, split_kv_b: bool) -> tuple[Recipe, ...]:
+    D, V = c.hidden_size, c.vocab_size
+    recipes = [Recipe("embed", "token_embd.weight", (V, D))]
+    for i in range(c.num_layers):
+        recipes += _gguf_layer(c, i, split_kv_b)
+    recipes.append(Recipe("final_norm", "output_norm.weight", (D,)))
+    if not c.tie_word_embeddings:
+        recipes.append(Recipe("lm_head", "output.weight", (V, D), (T.transpose,)))
+    return tuple(recipes)
+
+
 def gguf_name_map(c: ModelConfig) -> NameMap:
-    """Map for llama.cpp GGUF files of the ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe`` and
-    ``minimax-m2`` architectures (shapes in [out, in] order, as the GGUF reader reports them)."""
-    if c.family not in _GGUF_FAMILIES:
+    """Map for llama.cpp GGUF files of the ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``,
+    ``qwen2moe``, ``minimax-m2`` and ``deepseek2`` architectures (shapes in [out, in] order, as
+    the GGUF reader reports them). deepseek2's key/value up-projection: ``attn_k_b``/``attn_v_b``
+    (current llama.cpp), or ``attn_kv_b`` (older files) as the alternative layout."""
+    if c.family not in _GGUF_FAMILIES or c.dsa is not None:
         raise ConvertError(f"GGUF files of the {c.family.value} family are not supported; convert its HF directory")
-    if c.moe is not None and c.moe.shared_experts:
-        raise ConvertError("GGUF files with shared experts are not supported; convert the model's HF directory")
     if c.o_bias or (c.qkv_bias and c.family is Family.LLAMA):
         raise ConvertError(
             f"GGUF {c.family.value} files carry no o_proj bias (nor llama q/k/v biases); the config asks for them"
         )
-    D, V = c.hidden_size, c.vocab_size
-    recipes = [Recipe("embed", "token_embd.weight", (V, D))]
-    for i in range(c.num_layers):
-        recipes += _gguf_layer(c, i)
-    recipes.append(Recipe("final_norm", "output_norm.weight", (D,)))
-    if not c.tie_word_embeddings:
-        recipes.append(Recipe("lm_head", "output.weight", (V, D), (T.transpose,)))
-    return NameMap(tuple(recipes), lambda name: False)
+    older = (_gguf_recipes(c, False),) if c.mla is not None else ()
+    return NameMap(_gguf_recipes(c, True), lambda name: False, older)
 
 
 # --- Checking a source against a map -----------------------------------------------------------
@@ -469,7 +516,7 @@ def plan(name_map: NameMap, source_names: Iterable[str], shape_of: Callable[[str
     the source's own layout). ``where`` names the source in the messages.
     """
     names = set(source_names)
-    recipes = name_map.layout_for(names)
+    recipes = name_map.layout_for(names, shape_of)
     wanted = source_tensors(recipes)
     for name, r in wanted:
         if name not in names:

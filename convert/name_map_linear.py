@@ -10,8 +10,9 @@ one whose tensors the source has is used):
 - Qwen3.5: under ``model.language_model.`` (the published multimodal checkpoints and
   ``Qwen3_5*ForConditionalGeneration.save_pretrained``) or ``model.`` (``Qwen3_5*ForCausalLM``);
   MoE experts fused (the published bf16 files) or per expert (the published FP8 files,
-  ``save_pretrained``'s default). The vision tower (``model.visual.*``) is skipped by name:
-  dayzero runs the text model only until issue #17 (images and video) reads it.
+  ``save_pretrained``'s default). A multimodal file's vision tower (``model.visual.*``) is
+  converted too: ``dayzero.convert.name_map_vision.composite_name_map`` adds its recipes to
+  each of these spellings.
 - Kimi-Linear: the published spelling (``self_attn.q_conv1d`` / ``k_conv1d`` / ``v_conv1d``,
   ``self_attn.f_a_proj`` / ``dt_bias`` / ``A_log``, MoE under ``block_sparse_moe.`` with experts
   ``w1`` / ``w3`` / ``w2``, the dense layer under ``mlp.``); transformers 5.24's ``save_pretrained``
@@ -39,9 +40,8 @@ from dayzero.convert import transforms_linear as TL
 from dayzero.convert.name_map import _HF_IGNORED, Combine, NameMap, Recipe, _hf_mla
 from dayzero.model.config import Family, ModelConfig
 
-# Tensors of the multi-token-prediction module (Qwen) and the vision tower (Qwen3.5, issue #17).
+# Tensors of the multi-token-prediction module (Qwen).
 _MTP_PREFIX = "mtp."
-_VISION_PREFIX = "model.visual."
 
 
 def _heads_in(heads: int, head_dim: int) -> tuple:
@@ -273,9 +273,7 @@ def linear_name_map(c: ModelConfig) -> NameMap:
     def ignored(name: str) -> bool:
         if _HF_IGNORED.search(name) or (c.tie_word_embeddings and name == "lm_head.weight"):
             return True
-        # HF skips the MTP module too; the vision tower waits for issue #17 (module docstring).
-        return qwen and (name.startswith(_MTP_PREFIX) or (c.family is not Family.QWEN3_NEXT
-                                                           and name.startswith(_VISION_PREFIX)))
+        return qwen and name.startswith(_MTP_PREFIX)  # HF skips the MTP module too
 
     if qwen:
         layouts = [_qwen_recipes(c, s) for s in _qwen_spellings(c)]

@@ -242,9 +242,10 @@ class _V4NameMap(NameMap):
     modules are spelt alike in all three, so a checkpoint lacking one is reported against its
     own spelling, naming the missing MTP tensor."""
 
-    def layout_for(self, names: Iterable[str]) -> tuple[Recipe, ...]:
+    def layout_for(self, names: Iterable[str], shape_of=None) -> tuple[Recipe, ...]:
         """The first spelling whose main-model tensors are all in ``names`` (MTP ones included in
-        what it returns); else ``save_pretrained``'s."""
+        what it returns); else ``save_pretrained``'s. (``shape_of`` is not needed: V4's spellings
+        differ by name.)"""
         names = set(names)
         for recipes in (self.recipes, *self.alternatives):
             if all(s in names for r in recipes if _is_main(r) for s in r.sources):

@@ -16,6 +16,8 @@ resident in the process until the end. ``safe_open`` still validates each file w
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import math
 import mmap
@@ -25,6 +27,7 @@ from typing import Any, Iterable, Protocol
 
 import ml_dtypes
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from dayzero.convert.errors import ConvertError
 
@@ -194,12 +197,62 @@ class TorchReader:
         return self.path
 
     def get(self, name: str) -> np.ndarray:
-        """A numpy view of one tensor (bfloat16 and float8 reinterpreted bit for bit, no upcast)."""
+        """A private copy of one tensor (bfloat16 and float8 reinterpreted bit for bit, no
+        upcast), copied a block at a time, each block's mapped file pages released once copied
+        (:func:`release_pages`): the tensor is resident once, not twice."""
         t = self._state[name]
         view = self._ml_dtype(t)
-        if view is not None:
-            return t.view(view[0]).numpy().view(view[1])
-        return t.numpy()
+        x = t.view(view[0]).numpy().view(view[1]) if view is not None else t.numpy()
+        out = np.empty(x.shape, x.dtype)
+        mapped = _mappings(self.path)
+        if not x.flags.c_contiguous:
+            out[...] = x
+            release_pages(mapped, *byte_bounds(x))
+            return out
+        src, dst = x.reshape(-1), out.reshape(-1)
+        step = max(1, _COPY_BLOCK // max(1, x.itemsize))
+        for i in range(0, src.size, step):
+            dst[i:i + step] = src[i:i + step]
+            release_pages(mapped, *byte_bounds(src[i:i + step]))
+        return out
+
+
+_MADV_DONTNEED = 4  # Linux's value (mmap.MADV_DONTNEED needs an mmap object, which torch does not expose)
+_COPY_BLOCK = 16 * 2**20  # bytes of a mapped tensor copied (and released) at a time
+
+
+def _mappings(path: Path) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of this process's memory mappings of the file ``path`` (none off Linux)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    target, out = str(Path(path).resolve()), []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5] == target:
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            out.append((start, end))
+    return out
+
+
+def release_pages(mapped: list[tuple[int, int]], low: int, high: int) -> None:
+    """Drop the pages of addresses ``[low, high)`` that lie in ``mapped`` (a file's mappings,
+    :func:`_mappings`) from this process: a memory-mapped checkpoint would otherwise keep every
+    page read resident, and counted in RSS, until the end. Only pages of mappings of the file are
+    touched, and they are clean, so a later read pages them in again from the file (or the page
+    cache)."""
+    page = mmap.PAGESIZE
+    first, last = low // page * page, -(-high // page) * page
+    for start, end in mapped:
+        lo, hi = max(start, first), min(end, last)
+        if lo < hi:
+            _libc().madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
+
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 # --- several files as one ------------------------------------------------------------------------
@@ -390,7 +443,9 @@ class GGUFTensorReader:
                 f"tensor '{name}' in {part} uses quantization {t.tensor_type.name}, which the gguf "
                 "package cannot dequantize; use a file with another quantization"
             ) from None
-        out = np.array(data, dtype=np.float32, copy=True).reshape(self.shape(name))
+        # Copied out when still a view of the mapped file; a dequantized tensor is already fresh.
+        fresh = not np.may_share_memory(data, t.data)
+        out = np.array(data, dtype=np.float32, copy=None if fresh else True).reshape(self.shape(name))
         self._drop_mapped_pages(file)
         return out
 

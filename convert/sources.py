@@ -94,11 +94,9 @@ def _dequantizing(reader: TensorReader, hf_config: dict[str, Any], where: Path) 
 
     DeepSeek-V4's published format is both: FP8 weights with e8m0 ``.scale`` blocks, read by an
     :class:`Fp8DequantReader` in V4's naming, under a :class:`RowFp4Reader` for the FP4 experts
-    (``expert_dtype`` "fp4"). The FP4 one is outermost, so that ``dayzero.convert.quantize``
-    keeps the experts MXFP4 as stored by default, as for gpt-oss, and dequantizes the FP8 rest
-    exactly; ``--quantize none`` dequantizes everything, and ``fp8-block`` quantizes again from
-    those exact values (the FP8 weights are not kept as stored: ``native_leaf`` keeps only the
-    outermost reader's format)."""
+    (``expert_dtype`` "fp4"). By default ``dayzero.convert.quantize`` keeps both as stored
+    (``mxfp4+fp8-block``: each leaf read from the reader of its format, ``stored_reader``);
+    ``--quantize none`` dequantizes everything."""
     if is_mxfp4(hf_config, str(where)):
         return Mxfp4Reader(reader, str(where))
     v4 = hf_config.get("model_type") == "deepseek_v4"

@@ -57,7 +57,6 @@ def llama_cpp_unpermute(x: np.ndarray, heads: int) -> np.ndarray:
     return x.reshape(heads, half, 2, *x.shape[1:]).swapaxes(1, 2).reshape(x.shape)
 
 
-
 def transpose_experts(x: np.ndarray) -> np.ndarray:
     """Stacked expert linear weights [E, out, in] -> [E, in, out]."""
     return x.transpose(0, 2, 1)
@@ -87,3 +86,15 @@ def split_kv_up(x: np.ndarray, heads: int, nope_dim: int, part: int) -> np.ndarr
     per_head = x.reshape(heads, -1, x.shape[1])
     rows = per_head[:, :nope_dim] if part == 0 else per_head[:, nope_dim:]
     return rows.transpose(2, 0, 1)
+
+
+def mla_k_b(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``attn_k_b`` [heads, L, P] (each head's key rows of ``kv_b_proj``, transposed by
+    its converter) -> the key up-projection [L, heads, P]."""
+    return x.transpose(1, 0, 2)
+
+
+def mla_v_b(x: np.ndarray) -> np.ndarray:
+    """llama.cpp's ``attn_v_b`` [heads, V, L] (each head's value rows of ``kv_b_proj``) -> the
+    value up-projection [L, heads, V]."""
+    return x.transpose(2, 0, 1)

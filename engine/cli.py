@@ -109,12 +109,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="storage dtype (default: the source's)")
     c.add_argument("--quantize", metavar=CONVERT_QUANT,
                    help="store projection weights quantized (fp8-block keeps a block-FP8 source's values; default: "
-                        "none, except an MXFP4 source's experts, kept as stored)")
+                        "none, except an MXFP4 source's experts, kept as stored, with its FP8 blocks too when every "
+                        "other projection is block-FP8: DeepSeek-V4)")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--resume", action="store_true",
                    help="continue the interrupted conversion staged in DST.partial (same options)")
     c.add_argument("--threads", type=int, metavar="N",
                    help="source tensors read, transformed and hashed at once (default: cores, at most 8)")
+    c.add_argument("--max-memory", metavar="SIZE",
+                   help="most memory the tensors being converted may hold at once, e.g. 16GiB; a stack of experts "
+                        "that needs more is converted a slice of experts at a time (default: about twice the "
+                        "largest tensor)")
     # --mesh: write the arrays laid out (chunked) for that mesh; any mesh can load them.
     _add_mesh_arg(c)
     _add_process_args(c)
@@ -199,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--device-memory", required=True, metavar="SIZE", help="memory per device, e.g. 80GiB or 141GB")
     pl.add_argument("--quantize", metavar=CONVERT_QUANT, default="none",
                     help="weight storage, as generate --quantize (auto is the platform's run-time choice: name one)")
+    pl.add_argument("--state-snapshots", type=int, metavar="N",
+                    help="prefix-cache copies of per-sequence states (hybrids, DeepSeek-V4), as serve's (default 4 per "
+                         "sequence)")
     pl.add_argument("--kv-cache", metavar="none|int8|fp8", default="none", help="KV-cache storage, as generate --kv-cache")
     pl.add_argument("--dtype", default="bfloat16", metavar="bfloat16|float32", help="compute and float-weight dtype")
     pl.add_argument("--kernels", default="auto", metavar="auto|reference|pallas",
@@ -223,11 +231,15 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one; the URL is printed)")
     s.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: --model's value)")
     s.add_argument("--slots", type=int, help="requests decoded at once (default 8)")
-    s.add_argument("--page-size", type=int, help="positions per KV page (default 16)")
+    s.add_argument("--page-size", type=int,
+                   help="positions per KV page (default 16; DeepSeek-V4: 128, a multiple of its compression ratios)")
     s.add_argument("--num-pages", type=int, help="pages in the KV pool (default: 1024 positions per slot)")
     s.add_argument("--max-context", type=int, help="longest prompt + completion served (default: the model's)")
     s.add_argument("--max-chunk", type=int, help="most prompt tokens per prefill step, a power of two (default 512)")
     s.add_argument("--no-prefix-cache", action="store_true", help="do not reuse the pages of shared prompt prefixes")
+    s.add_argument("--state-snapshots", type=int, metavar="N",
+                   help="models with per-sequence states (linear-attention hybrids, DeepSeek-V4): copies of a "
+                        "slot's states the prefix cache keeps at page boundaries (default 4 per slot; 0: no prefix cache)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more answer 429 with Retry-After")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -257,7 +269,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     stats: dict = {}
     dst = convert_checkpoint(args.src, args.dst, dtype=args.dtype, progress=not args.no_progress,
                              quantize=args.quantize, placement=placement, resume=args.resume,
-                             threads=args.threads, stats=stats)
+                             threads=args.threads, stats=stats, max_memory=args.max_memory)
     print(f"converted {args.src} -> {dst}: {stats['bytes_read'] / 1e6:.1f} MB read in {stats['seconds']:.1f} s "
           f"({stats['mb_per_s']:.1f} MB/s, {stats['threads']} threads)", file=sys.stderr)
     return 0

@@ -23,11 +23,10 @@ the prompt is: beyond the KV pages themselves (and one layer's gathered copy of 
 prompt needs no more memory than a short one. The total attention work is the same; only the
 weight matmuls run on fewer rows at a time.
 
-DeepSeek-V4 (``ServingConfig.slot_cache``, set by ``resolve``) has no pages: its window rings,
-compressed entries and compressor states live in one cache row per slot
-(``dayzero.model.compressed_slots``), and a step's "table" is each row's slot index (width 1).
-Every step that reads the cache reads the whole row, so the table-width buckets collapse to one
-and a prefill chunk after the first is capped once, by ``chunk_budget`` over ``max_context``.
+Models with a fixed-size state per sequence beside their pages (a linear-attention hybrid's
+layer states, DeepSeek-V4's window rings and compressor states; V4 pages its compressed entries,
+``dayzero.model.compressed_paged``) keep one state row per serving slot: their steps take the
+rows' slots beside the block tables (``run_step(..., slots)``).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import time
 
 import jax
@@ -43,12 +43,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.generate import GenerationError, bucket
-from dayzero.engine.runtime import RunConfig, check_page_pool, check_paged, resolve_run, with_kernels
+from dayzero.engine.runtime import RunConfig, check_page_pool, resolve_run, with_kernels
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, SamplingMode, SamplingParams, allow_all, sample
 from dayzero.engine.sampling import top_logprobs as most_likely
 from dayzero.engine.step_cache import StepCache
 from dayzero.kernels import KernelMode
-from dayzero.model.compressed_slots import SlotCache, append_to_slots, init_slot_cache, slot_cache_specs
+from dayzero.model.compressed_paged import PagedCompressedCache, page_multiple
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
 from dayzero.model.linear_cache import HybridCache
@@ -74,16 +74,19 @@ class ServingConfig:
     ``dayzero.engine.runtime.with_kernels``): reference gathers each row's pages; pallas and
     pallas_interpret run a first prefill chunk on the flash (or sparse) kernel and read the pages
     in place with the paged (or sparse) kernels in every later step, prefill chunk or decode
-    (``dayzero.model.kernel_attention``). slot_cache: set by ``resolve`` from the model, whatever
-    given: True for DeepSeek-V4, whose cache is held per slot (``max_context`` tokens each) rather
-    than in pages: ``num_pages``, ``page_size`` and ``min_table_pages`` do not apply, admission
-    needs a free slot only, and there is no prefix cache (see ``resolve``). A linear-attention
-    hybrid is paged (its attention layers) and keeps one row of linear-layer states per slot
-    beside the pages (``dayzero.model.linear_cache``); it has no prefix cache either.
+    (``dayzero.model.kernel_attention``). A linear-attention hybrid is paged (its attention
+    layers) and keeps one row of linear-layer states per slot beside the pages
+    (``dayzero.model.linear_cache``); DeepSeek-V4 pages its compressed entries and keeps its window
+    rings and compressor states per slot (``dayzero.model.compressed_paged``), so its
+    ``page_size`` must be a multiple of every compression ratio (default: 16 rounded up to one).
+    state_snapshots: for those models, how many copies of a slot's states the prefix cache keeps
+    (default 4 x ``slots``; 0 turns their prefix cache off): a cached prefix is reused only up to a
+    page boundary whose states were copied when a prefill chunk ended there (see
+    ``dayzero.engine.serving``).
     """
 
     slots: int = 8
-    page_size: int = 16
+    page_size: int | None = None
     num_pages: int | None = None
     max_context: int | None = None
     max_chunk: int = 512
@@ -92,13 +95,14 @@ class ServingConfig:
     min_table_pages: int = 4
     prefix_cache: bool = True
     kernels: KernelMode | str | None = None
-    slot_cache: bool = False
+    state_snapshots: int | None = None
 
     def __post_init__(self):
         checks = [
             (self.slots >= 1, "slots", "at least 1"),
-            (self.page_size >= 1, "page_size", "at least 1"),
+            (self.page_size is None or self.page_size >= 1, "page_size", "at least 1"),
             (self.num_pages is None or self.num_pages >= 1, "num_pages", "at least 1"),
+            (self.state_snapshots is None or self.state_snapshots >= 0, "state_snapshots", "at least 0"),
             (self.max_context is None or self.max_context >= 2, "max_context", "at least 2"),
             (_pow2(self.min_chunk) and _pow2(self.max_chunk) and self.min_chunk <= self.max_chunk,
              "max_chunk", f"a power of two >= min_chunk={self.min_chunk} (also a power of two)"),
@@ -119,29 +123,26 @@ class ServingConfig:
             raise GenerationError(
                 f"max_context={context} is more than the model's context of "
                 f"{model.max_position_embeddings} tokens; lower it")
-        if model.compressed is not None:
-            run = self.run_for(model, run)
-            check_paged(model, run)
-            # One cache row per slot (no pages). No prefix cache: a hit would have to restore the
-            # window ring and the compressor states as they were at the page boundary, which
-            # nothing snapshots, so a shared prefix is computed again.
-            return dataclasses.replace(self, max_context=context, num_pages=None, kernels=run.kernels,
-                                       slot_cache=True, prefix_cache=False)
-        per_seq = -(-context // self.page_size)
-        pages = self.num_pages or max(per_seq, self.slots * -(-1024 // self.page_size))
+        page_size = self.page_size or default_page_size(model)
+        if model.compressed is not None and page_size % page_multiple(model):
+            raise GenerationError(
+                f"page_size={page_size} does not hold a whole number of this DeepSeek-V4 model's compressed "
+                f"entries; use a multiple of {page_multiple(model)} (the least common multiple of its ratios)")
+        per_seq = -(-context // page_size)
+        pages = self.num_pages or max(per_seq, self.slots * -(-1024 // page_size))
         if pages < per_seq:
             raise GenerationError(
                 f"num_pages={pages} cannot hold one sequence of max_context={context} tokens "
-                f"({per_seq} pages of {self.page_size}); raise num_pages or lower max_context")
+                f"({per_seq} pages of {page_size}); raise num_pages or lower max_context")
         run = self.run_for(model, run)
-        check_paged(model, run)
-        check_page_pool(run, model, pages, self.page_size)
-        # A hybrid's linear layers keep one state per slot beside the pages. No prefix cache for
-        # them: a hit would have to restore each linear layer's state as it was at the page
-        # boundary, which nothing snapshots, so a shared prefix is computed again.
-        prefix = self.prefix_cache and model.linear is None
-        return dataclasses.replace(self, max_context=context, num_pages=pages, kernels=run.kernels, slot_cache=False,
-                                   prefix_cache=prefix)
+        check_page_pool(run, model, pages, page_size)
+        # A hybrid's linear layers and V4's rings and compressors keep one state per slot beside
+        # the pages: their prefix cache needs copies of those states at page boundaries.
+        states = model.linear is not None or model.compressed is not None
+        snapshots = (4 * self.slots if self.state_snapshots is None else self.state_snapshots) if states else 0
+        return dataclasses.replace(self, max_context=context, num_pages=pages, page_size=page_size,
+                                   kernels=run.kernels, state_snapshots=snapshots,
+                                   prefix_cache=self.prefix_cache and (snapshots > 0 or not states))
 
     def run_for(self, model: ModelConfig, run: RunConfig | None = None) -> RunConfig:
         """The run configuration serving runs with: ``run`` (default: the platform's choices on
@@ -156,25 +157,12 @@ class ServingConfig:
 
     @property
     def max_table_pages(self) -> int:
-        """Width of the full block tables (the widest bucket); 1 with a slot cache (the slot index)."""
-        if self.slot_cache:
-            return 1
+        """Width of the full block tables (the widest bucket)."""
         return max(bucket(self.pages_for(self.max_context), 1), self.min_table_pages)
 
-    @property
-    def slot_chunk(self) -> int:
-        """With a slot cache, the longest chunk that reads the cache: the largest chunk size T with
-        T x ``max_context`` (a bound on the positions a slot's row attends) within ``chunk_budget``
-        (at least ``min_chunk``)."""
-        fits = [T for T in self.chunk_sizes() if T * self.max_context <= self.chunk_budget]
-        return max(fits, default=self.min_chunk)
-
     def attended(self, width: int | None) -> int:
-        """Cached positions a step reading ``width`` table entries attends to (at most: a slot's
-        whole row of ``max_context`` positions with a slot cache)."""
-        if width is None:
-            return 0
-        return self.max_context if self.slot_cache else width * self.page_size
+        """Cached positions a step reading ``width`` table entries attends to (at most)."""
+        return 0 if width is None else width * self.page_size
 
     def table_width(self, pages: int) -> int:
         """The bucketed table width that addresses ``pages`` pages."""
@@ -186,8 +174,6 @@ class ServingConfig:
         T = min(self.max_chunk, bucket(remaining, self.min_chunk))
         if start == 0:
             return T, None
-        if self.slot_cache:
-            return min(T, self.slot_chunk), 1
         while True:
             W = self.table_width(self.pages_for(start + min(T, remaining)))
             if T <= self.min_chunk or T * W * self.page_size <= self.chunk_budget:
@@ -208,15 +194,11 @@ class ServingConfig:
 
     def table_widths(self) -> list[int]:
         """Every table width W."""
-        if self.slot_cache:
-            return [1]
         return [w for w in (1 << e for e in range(self.max_table_pages.bit_length())) if w >= self.min_table_pages]
 
     def prefill_shapes(self) -> list[tuple[int, int | None]]:
         """Every (T, W) ``chunk_shape`` can return."""
         shapes = [(T, None) for T in self.chunk_sizes()]
-        if self.slot_cache:
-            return shapes + [(T, 1) for T in self.chunk_sizes() if T <= self.slot_chunk]
         for T, W in itertools.product(self.chunk_sizes(), self.table_widths()):
             # The table holds at least one cached position and the chunk's real tokens: more
             # than T/2 of them (else T would be a smaller bucket) unless T is the smallest.
@@ -225,6 +207,12 @@ class ServingConfig:
             if fits and (T == self.min_chunk or T * W * self.page_size <= self.chunk_budget):
                 shapes.append((T, W))
         return shapes
+
+
+def default_page_size(model: ModelConfig) -> int:
+    """16 positions a page, or for DeepSeek-V4 the least multiple of its ratios' multiple that is
+    (128 for the published ratios 4 and 128)."""
+    return math.lcm(16, page_multiple(model)) if model.compressed is not None else 16
 
 
 def _pow2(n: int) -> bool:
@@ -265,8 +253,7 @@ def _forward_logits(weights, tokens, num_new, cache, *, config, kernels=KernelMo
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
 def _append(pool, new, layout=None):
-    write = append_to_slots if isinstance(pool, SlotCache) else append_to_pages
-    return _pinned(write(pool, new), layout)
+    return _pinned(append_to_pages(pool, new), layout)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel", "layout"), donate_argnames=("pool",))
@@ -276,6 +263,26 @@ def _forward_in_place(weights, tokens, pool, num_new, *, config, kernels, parall
     view = kernel_view(pool, num_new, kernels, tuple(config.sliding_windows), HeadSplit.of(parallel))
     logits, view = forward(weights, config, tokens, view, num_new, parallel=parallel)
     return logits, _pinned(with_written(pool, view), layout)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _empty_rows(states, rows: int):
+    # Zeroed snapshot rows shaped as the slot states, made by a jit so that they are committed to
+    # their device(s) like the arrays every later copy returns (uncommitted inputs compile apart).
+    return jax.tree.map(lambda leaf: jnp.zeros((rows, *leaf.shape[1:]), leaf.dtype), states)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _snapshot(snapshots, states, slot, row):
+    # Copy slot ``slot``'s states into snapshot ``row`` (an out-of-range row writes nothing).
+    return jax.tree.map(lambda snap, pool: snap.at[row].set(pool[slot], mode="drop"), snapshots, states)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
+def _restore(pool, snapshots, slot, row, layout=None):
+    # Copy snapshot ``row`` into slot ``slot``'s states (an out-of-range slot writes nothing).
+    states = jax.tree.map(lambda p, snap: p.at[slot].set(snap[row], mode="drop"), pool.slot_states, snapshots)
+    return _pinned(pool.with_slot_states(states), layout)
 
 
 # The jits above as compiled executables, per (step, model, run configuration, pool, shape): shared
@@ -338,9 +345,8 @@ def sampling_mode(params: list[SamplingParams]) -> SamplingMode:
 
 class PagedSteps:
     """The page pool on the device(s) and the compiled forward, page write and sampling steps.
-    With a slot cache (``ServingConfig.slot_cache``) the pool is a
-    :class:`~dayzero.model.compressed_slots.SlotCache` (one cache row per slot) and a step's tables
-    are its rows' slot indices [B, 1].
+    A model with per-slot states (a hybrid's ``HybridCache``, V4's ``PagedCompressedCache``) holds
+    them beside its pages; its steps read the rows' slots too.
 
     On a mesh (``run.placement``) the pool is laid out by its logical axes
     (``paged_cache_specs``: per-head pages split by kv head), the forward runs with the mesh's
@@ -358,26 +364,39 @@ class PagedSteps:
         self._host = host or (lambda value: jax.tree.map(jnp.asarray, value))
         self.parallel: Parallel | None = run.parallel
         dtype = weights.embed.dtype
-        if serving.slot_cache:
-            specs = slot_cache_specs(config, serving.slots, serving.max_context, kv_quant=run.kv_cache)
-        else:
-            specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache,
-                                      state_slots=serving.slots)
+        specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache,
+                                  state_slots=serving.slots)
         self.layout = None if run.placement is None else run.placement.shardings(specs)
         self.sample_layout = None if run.placement is None else run.placement.replicated()
-        if serving.slot_cache:
-            self.pool = init_slot_cache(config, serving.slots, serving.max_context, dtype, run.kv_cache, self.layout)
-        else:
-            self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=dtype,
-                                         kv_quant=run.kv_cache, shardings=self.layout, state_slots=serving.slots)
+        self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=dtype,
+                                     kv_quant=run.kv_cache, shardings=self.layout, state_slots=serving.slots)
+        self.snapshots = None  # copies of slot states at page boundaries (models with per-slot states)
+        if serving.prefix_cache and serving.state_snapshots:
+            empty = _empty_rows(self.pool.slot_states, serving.state_snapshots)
+            # On a mesh, laid out as the slot states are (their shardings do not depend on the rows).
+            self.snapshots = empty if self.layout is None else jax.device_put(empty, self.layout.slot_states)
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
         self.samplings_run: set[tuple[int, SamplingMode, bool, int]] = set()  # (B, mode, masked, top) of each
         self.compile_s = 0.0  # seconds of the first call of each step shape (compile, then run)
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the page pool (every layer; a quantized pool's values and scales)."""
-        return sum(x.nbytes for x in jax.tree.leaves(self.pool) if x.ndim >= 3)
+        """Bytes of the page pool (every layer; a quantized pool's values and scales) and of the
+        prefix cache's state snapshots."""
+        return sum(x.nbytes for x in jax.tree.leaves((self.pool, self.snapshots)) if x.ndim >= 3)
+
+    @property
+    def has_slot_states(self) -> bool:
+        """Whether the model keeps per-slot states beside its pages (a hybrid, DeepSeek-V4)."""
+        return isinstance(self.pool, (HybridCache, PagedCompressedCache))
+
+    def snapshot(self, slot: int, row: int) -> None:
+        """Copy slot ``slot``'s states into snapshot ``row`` (after the step that wrote them)."""
+        self.snapshots = _snapshot(self.snapshots, self.pool.slot_states, *self._host((np.int32(slot), np.int32(row))))
+
+    def restore(self, slot: int, row: int) -> None:
+        """Copy snapshot ``row`` into slot ``slot``'s states (before the slot's next step)."""
+        self.pool = _restore(self.pool, self.snapshots, *self._host((np.int32(slot), np.int32(row))), layout=self.layout)
 
     def run_step(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
                  width: int | None, slots: np.ndarray | None = None) -> jax.Array:
@@ -386,8 +405,8 @@ class PagedSteps:
         and return the logits of each row's last real token [B,V] (on the device).
 
         ``width``: the table width the attention reads (None: nothing cached, read nothing).
-        ``slots`` [B]: each row's serving slot, whose state rows a linear-attention hybrid reads
-        and writes (default: slot 0 for every row; ignored by other models).
+        ``slots`` [B]: each row's serving slot, whose state rows a model with per-slot states
+        (a hybrid, DeepSeek-V4) reads and writes (default: slot 0 for every row; ignored by others).
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
@@ -407,11 +426,9 @@ class PagedSteps:
         """(jitted forward, its signature, arguments, statics) of a ``run_step``: on the kernels,
         the forward that writes the pages in place; else the forward whose new keys/values
         ``_append`` writes."""
-        # What tells this step apart from every other serving step of the process (the pool's shape:
-        # its pages, or with a slot cache its slots of max_context positions).
+        # What tells this step apart from every other serving step of the process (the pool's shape).
         s = self.serving
-        pool = ("slots", s.slots, s.max_context) if s.slot_cache else (s.num_pages, s.page_size)
-        key = (self.config, self.run, pool, (*tokens.shape, width))
+        key = (self.config, self.run, (s.num_pages, s.page_size, s.slots), (*tokens.shape, width))
         statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
         tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
         if self.reads_in_place(width):
@@ -432,18 +449,17 @@ class PagedSteps:
             self.compile_s += time.perf_counter() - start
 
     def _slotted(self, tables: np.ndarray, slots: np.ndarray | None):
-        """A hybrid's step tables: ``(block tables, slots)``; other models' tables as they are."""
-        if not isinstance(self.pool, HybridCache):
+        """A model with per-slot states: its step tables ``(block tables, slots)``; other models'
+        tables as they are."""
+        if not isinstance(self.pool, (HybridCache, PagedCompressedCache)):
             return tables
         return tables, np.zeros(len(tables), np.int32) if slots is None else np.asarray(slots, np.int32)
 
     def _with_rows(self, tables, lengths: np.ndarray):
-        """The pool with these rows' block tables (with a slot cache: slot indices, the tables'
-        first column; a hybrid's: (block tables, slots)) and lengths, as a step's input."""
+        """The pool with these rows' block tables (with per-slot states: (block tables, slots))
+        and lengths, as a step's input."""
         lengths = self._host(np.asarray(lengths, np.int32))
-        if self.serving.slot_cache:
-            return self.pool.replace(slots=self._host(np.asarray(tables, np.int32)[:, 0]), lengths=lengths)
-        if isinstance(self.pool, HybridCache):
+        if isinstance(tables, tuple):
             tables, slots = tables
             return self.pool.with_rows(block_tables=self._host(np.asarray(tables, np.int32)), lengths=lengths,
                                        slots=self._host(slots))
@@ -458,7 +474,7 @@ class PagedSteps:
         """(tokens, num_new, cache to read) of a step's forward call (``run_step``), as step inputs."""
         if width is None:
             read = None
-        elif isinstance(tables, tuple):  # a hybrid's (block tables, slots)
+        elif isinstance(tables, tuple):  # (block tables, slots)
             read = self._with_rows((tables[0][:, :width], tables[1]), lengths)
         else:
             read = self._with_rows(tables[:, :width], lengths)
@@ -517,7 +533,7 @@ class PagedSteps:
         # The forwards and samplings compile in parallel first (the page writes, whose inputs
         # are forward outputs, compile as the shapes then run one by one).
         start = time.perf_counter()
-        # (A hybrid's forward reads (tables, slots), as ``run_step`` passes them: ``_slotted``.)
+        # (Models with per-slot states read (tables, slots), as ``run_step`` passes them: ``_slotted``.)
         _STEPS.prepare_all([self._forward_call(*step[:3], self._slotted(step[3], None), step[4]) for step in steps]
                            + [self._sample_call(*sampling) for sampling in samplings])
         self.compile_s += time.perf_counter() - start
@@ -525,6 +541,10 @@ class PagedSteps:
             self.run_step(*step)
         for sampling in samplings:
             self.sample(*sampling)
+        if self.snapshots is not None:  # out-of-range rows and slots: both copies write nothing
+            for _ in range(2):  # twice: on a mesh the first call may return another layout
+                self.snapshot(0, s.state_snapshots)
+                self.restore(s.slots, 0)
         return len(steps) + len(samplings)
 
     def top_width(self, k: int) -> int:

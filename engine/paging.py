@@ -155,3 +155,45 @@ class PagePool:
             del self._page_of[self._hash_of.pop(page)]
             self._free.append(page)
         self._cached.clear()
+
+
+class SnapshotPool:
+    """Which prefix each of ``capacity`` state-snapshot rows holds, least recently used first.
+
+    A model with per-sequence states beside its pages (a linear-attention hybrid, DeepSeek-V4)
+    can reuse a cached prefix only where it also has the states as they were at the prefix's
+    end. The serving engine copies a slot's states into a snapshot row when a prefill chunk ends
+    on a page boundary, keyed by that page's chained hash (states depend only on the tokens
+    before the boundary, which the hash names), and restores them when a later request reuses
+    the prefix up to there. Rows are reused least recently used first.
+
+    >>> snaps = SnapshotPool(capacity=1)
+    >>> snaps.claim(b"h0"), snaps.lookup(b"h0"), snaps.claim(b"h1"), snaps.lookup(b"h0")
+    (0, 0, 0, None)
+    """
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"capacity={capacity} must be at least 1")
+        self._row_of: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def lookup(self, prefix_hash: bytes) -> int | None:
+        """The row holding the states at the end of ``prefix_hash``'s page, or None."""
+        row = self._row_of.get(prefix_hash)
+        if row is not None:
+            self._row_of.move_to_end(prefix_hash)
+        return row
+
+    def claim(self, prefix_hash: bytes) -> int | None:
+        """A row to copy the states at the end of ``prefix_hash``'s page into (a free one, else the
+        least recently used one's), or None if a row holds them already."""
+        if prefix_hash in self._row_of:
+            self._row_of.move_to_end(prefix_hash)
+            return None
+        row = self._free.pop() if self._free else self._row_of.popitem(last=False)[1]
+        self._row_of[prefix_hash] = row
+        return row
+
+    def __len__(self) -> int:
+        return len(self._row_of)

@@ -32,8 +32,7 @@ What is refused (:func:`resolve_run` raises):
   same limit) over an int8/fp8 page pool of 2^31 to 2^32 elements per device
   (:func:`check_page_pool`, when a serving engine sizes its pool);
 - DeepSeek-V4 (compressed attention): the kernels asked for by name (it has no kernel path yet;
-  ``auto`` resolves to the reference path), and serving it on a mesh (its serving cache, one row
-  per slot, is not laid out on a mesh yet: :func:`check_paged`).
+  ``auto`` resolves to the reference path).
 """
 
 from __future__ import annotations
@@ -178,14 +177,6 @@ def _model_kernels(model: ModelConfig, mode: KernelMode, requested: KernelMode |
     raise RunConfigError(f"--kernels {_spelled(requested)}: {reason}; use --kernels reference or auto")
 
 
-def check_paged(model: ModelConfig, run: RunConfig) -> None:
-    """Refuse what the serving engine cannot run for this model and run configuration: DeepSeek-V4
-    on a mesh (its slot cache, ``dayzero.model.compressed_slots``, has no mesh layout yet)."""
-    if model.compressed is not None and run.placement is not None:
-        raise RunConfigError("serving DeepSeek-V4 on a --mesh is not supported yet (its per-slot cache has no "
-                             "mesh layout); serve it on one device, or use `dayzero generate` on the mesh")
-
-
 def _grouped_matmul(name) -> GroupedMatmul | None:
     if name is None:
         return None
@@ -277,7 +268,8 @@ def check_page_pool(run: RunConfig, model: ModelConfig, num_pages: int, page_siz
 
 def weights_storage(weights: Any) -> QuantConfig:
     """How a weight tree in memory is stored (the scheme that would have produced its quantized
-    leaves: int4 experts beside int8, fp8 blocks with their block, or per-channel int8 / fp8)."""
+    leaves: int4 experts beside int8, MXFP4 experts (beside fp8 blocks), fp8 blocks with their
+    block, or per-channel int8 / fp8)."""
     nodes = [x for x in jax.tree.leaves(weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
              if isinstance(x, QuantizedArray)]
     formats = {x.fmt for x in nodes}
@@ -285,13 +277,14 @@ def weights_storage(weights: Any) -> QuantConfig:
         return QuantConfig()
     if ValueFormat.INT4 in formats:
         return QuantConfig(WeightQuant.INT4)
-    if ValueFormat.MXFP4 in formats:
-        return QuantConfig(WeightQuant.MXFP4)
-    blocked = [x.block for x in nodes if x.block is not None]
+    blocked = [x.block for x in nodes if x.block is not None and x.fmt is ValueFormat.FP8]
+    # Weights aligned for a mesh hold finer blocks that divide the stored one; their lcm is the
+    # coarsest block every leaf can be re-blocked from (the stored one when any leaf kept it).
+    block = tuple(math.lcm(*(b[i] for b in blocked)) for i in range(2)) if blocked else None
+    if ValueFormat.MXFP4 in formats:  # MXFP4 experts, beside FP8-block projections (DeepSeek-V4) or not
+        return QuantConfig(WeightQuant.MXFP4_FP8_BLOCK, block) if blocked else QuantConfig(WeightQuant.MXFP4)
     if blocked:
-        # Weights aligned for a mesh hold finer blocks that divide the stored one; their lcm is
-        # the coarsest block every leaf can be re-blocked from (the stored one when any leaf kept it).
-        return QuantConfig(WeightQuant.FP8_BLOCK, tuple(math.lcm(*(b[i] for b in blocked)) for i in range(2)))
+        return QuantConfig(WeightQuant.FP8_BLOCK, block)
     return QuantConfig(WeightQuant.FP8 if ValueFormat.FP8 in formats else WeightQuant.INT8)
 
 

@@ -57,7 +57,7 @@ def serving_config(args: argparse.Namespace):
     from dayzero.engine.paged_steps import ServingConfig
 
     given = {"slots": args.slots, "page_size": args.page_size, "num_pages": args.num_pages,
-             "max_context": args.max_context, "max_chunk": args.max_chunk}
+             "max_context": args.max_context, "max_chunk": args.max_chunk, "state_snapshots": args.state_snapshots}
     config = ServingConfig(**{k: v for k, v in given.items() if v is not None}, prefix_cache=not args.no_prefix_cache)
     return config
 

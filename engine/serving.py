@@ -27,11 +27,15 @@ compiled sampling step. A batch with no constrained row samples with the program
 without masks. :meth:`ServingEngine.cancel` withdraws a request between steps;
 :meth:`ServingEngine.metrics` reports the queue, pool and counters without touching the device.
 
-DeepSeek-V4 has no pages (``ServingConfig.slot_cache``): each slot holds one cache row of
-``max_context`` tokens (``dayzero.model.compressed_slots``), so a request is admitted whenever a
-slot is free, never waits for pages and is never preempted, and ``pool`` is None (no prefix
-cache; ``metrics`` reports no pages). A slot is reused without a reset: a request admitted to it
-starts at length 0 and never reads what an earlier one left there.
+Models with a fixed-size state per sequence (a linear-attention hybrid's layer states,
+DeepSeek-V4's window rings and compressor states) keep it in the request's slot beside its pages.
+A slot is reused without a reset: a request admitted to it starts at length 0 and never reads
+what an earlier one left there. Their prefix cache needs the states as they were at the end of
+the reused prefix: when a prefill chunk ends on a page boundary the slot's states are copied into
+a snapshot row (``paging.SnapshotPool``, keyed by the page's hash; a chunk that would run past
+the prompt's last page boundary stops there, so that boundary is always copied), and a request
+reuses cached pages only up to the last one with a snapshot, which is copied into its slot at
+admission.
 
 A request's tokens do not depend on what else runs: every row computes the same function of its
 own inputs, sampling keys come from the request's seed and the index of the token within the
@@ -50,8 +54,9 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from dayzero.engine.generate import Completion, Engine, GenerationError, check_max_new_tokens
-from dayzero.engine.paged_steps import PagedSteps, RowParams, Sampled, ServingConfig, key_data, sampling_mode
-from dayzero.engine.paging import PagePool, PoolExhausted, page_hashes
+from dayzero.engine.paged_steps import (PagedSteps, RowParams, Sampled, ServingConfig, default_page_size, key_data,
+                                        sampling_mode)
+from dayzero.engine.paging import PagePool, PoolExhausted, SnapshotPool, page_hashes
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenConstraint, allow_all, mask_words
 
 
@@ -96,6 +101,8 @@ class ServingStats:
     # tokens generated before it), cached_tokens of them from the prefix cache.
     lookup_tokens: int = 0
     cancelled: int = 0  # requests withdrawn by ``cancel``
+    snapshots_taken: int = 0  # slot states copied at page boundaries (models with per-slot states)
+    snapshots_restored: int = 0  # ... and copied back into a slot to reuse a cached prefix
 
 
 @dataclasses.dataclass
@@ -116,6 +123,7 @@ class _Request:
     registered: int = 0  # leading pages entered in the prefix cache
     computed: int = 0  # positions whose keys/values are in the pages
     slot: int | None = None
+    restore: int | None = None  # the snapshot row its slot's states come from at admission
     admitted: int = -1  # admission order (preemption takes the latest)
     finish_reason: str | None = None
 
@@ -160,8 +168,9 @@ class ServingEngine:
         run = config.run_for(engine.config, engine.run)
         self.config = config.resolve(engine.config, run)
         self.steps = PagedSteps(engine.config, engine.weights, self.config, run, host=engine._host)
-        # The pages' bookkeeping; None with a slot cache (no pages: a slot is all a request needs).
-        self.pool = None if self.config.slot_cache else PagePool(self.config.num_pages)
+        self.pool = PagePool(self.config.num_pages)  # the pages' bookkeeping
+        # Which prefixes' slot states are kept (models with per-slot states and a prefix cache).
+        self.snapshots = SnapshotPool(self.config.state_snapshots) if self.steps.snapshots is not None else None
         self.stats = ServingStats()
         self._ids = itertools.count()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -296,16 +305,11 @@ class ServingEngine:
         ``waiting`` (queued) and ``running``, ``pages_used`` / ``pages_free`` (free or evictable
         cached), ``prefix_cache_hit_rate`` (of the positions prefill had to provide, the share
         found in the prefix cache), and cumulative ``preemptions``, ``prompt_tokens`` and
-        ``generated_tokens`` (over every replica). With a slot cache there are no pages to report
-        (``running`` is the slots in use, of ``config.slots``)."""
+        ``generated_tokens`` (over every replica)."""
         stats, engines = self.stats, self.replicas
-        pages = {}
-        if not self.config.slot_cache:
-            pages = dict(pages_used=sum(e.pool.in_use for e in engines),
-                         pages_free=sum(e.pool.available for e in engines))
         return dict(
             waiting=sum(len(e._waiting) for e in engines), running=sum(len(e._running()) for e in engines),
-            **pages,
+            pages_used=sum(e.pool.in_use for e in engines), pages_free=sum(e.pool.available for e in engines),
             prefix_cache_hit_rate=stats.cached_tokens / stats.lookup_tokens if stats.lookup_tokens else 0.0,
             preemptions=stats.preemptions, prompt_tokens=stats.prompt_tokens,
             generated_tokens=stats.generated_tokens)
@@ -338,7 +342,7 @@ class ServingEngine:
     def _admit(self) -> None:
         while self._waiting and None in self._slots:
             r = self._waiting[0]
-            if self.pool is not None and not self._allocate(r):
+            if not self._allocate(r):
                 return
             self._waiting.popleft()
             self.stats.cached_tokens += r.computed
@@ -348,6 +352,10 @@ class ServingEngine:
             r.admitted = next(self._admissions)
             r.slot = self._slots.index(None)
             self._slots[r.slot] = r
+            if r.restore is not None:
+                self.steps.restore(r.slot, r.restore)
+                self.stats.snapshots_restored += 1
+                r.restore = None
 
     def _allocate(self, r: _Request) -> bool:
         """Give ``r`` the pages of its whole prompt (its cached prefix's first), if the pool has them
@@ -357,21 +365,30 @@ class ServingEngine:
             r.hashes = page_hashes(r.tokens, self.config.page_size, r.hashes)
             # Leave at least one token to compute: its logits give the next token.
             matched = self.pool.match_prefix(r.hashes[: (len(r.tokens) - 1) // self.config.page_size])
+            matched = self._restorable(r, matched)
         needed = self.config.pages_for(len(r.tokens)) - len(matched)
         if self.pool.available < needed + len(self._running()):
             self.pool.release(matched)
+            r.restore = None
             return False
         r.pages = matched + [self.pool.allocate() for _ in range(needed)]
         r.registered = len(matched)
         r.computed = len(matched) * self.config.page_size
         return True
 
+    def _restorable(self, r: _Request, matched: list[int]) -> list[int]:
+        """The leading ``matched`` pages ``r`` can reuse: all of them, or with per-slot states up to
+        the last page whose states have a snapshot (set as ``r.restore``; the rest released)."""
+        if self.snapshots is None:
+            return matched
+        keep = next((k for k in range(len(matched), 0, -1) if self.snapshots.lookup(r.hashes[k - 1]) is not None), 0)
+        self.pool.release(matched[keep:])
+        r.restore = self.snapshots.lookup(r.hashes[keep - 1]) if keep else None
+        return matched[:keep]
+
     def _grow_decoding(self) -> list[_Request]:
         """Give each decoding request a page for its next token, preempting when the pool is
-        out; returns the decoding requests still running (with a slot cache, all of them: a slot
-        has room for ``max_context`` tokens)."""
-        if self.pool is None:
-            return [r for r in self._running() if not r.prefilling]
+        out; returns the decoding requests still running."""
         for r in sorted(self._running(), key=lambda r: r.admitted):
             if r.slot is None or r.prefilling:  # preempted meanwhile, or not decoding yet
                 continue
@@ -396,20 +413,23 @@ class ServingEngine:
     # ---- device calls --------------------------------------------------------------------------
 
     def _tables(self, requests: list[_Request], rows: int) -> np.ndarray:
-        """Full-width block tables [rows, W] of ``requests`` (then zero rows); with a slot cache,
-        each request's slot [rows, 1] (a zero row writes nothing: it has no token)."""
+        """Full-width block tables [rows, W] of ``requests`` (then zero rows)."""
         tables = np.zeros((rows, self.config.max_table_pages), np.int32)
         for row, r in enumerate(requests):
-            if self.pool is None:
-                tables[row, 0] = r.slot
-            else:
-                tables[row, : len(r.pages)] = r.pages
+            tables[row, : len(r.pages)] = r.pages
         return tables
 
     def _chunk(self, r: _Request) -> tuple[int, int | None, int]:
-        """(T, W, real tokens) of ``r``'s next prefill chunk."""
-        T, W = self.config.chunk_shape(r.computed, r.prefill_target - r.computed)
-        return T, W, min(T, r.prefill_target - r.computed)
+        """(T, W, real tokens) of ``r``'s next prefill chunk; with state snapshots, a chunk that
+        would pass a page boundary and end mid-page ends at the boundary (a snapshot point)."""
+        start, remaining = r.computed, r.prefill_target - r.computed
+        T, W = self.config.chunk_shape(start, remaining)
+        n = min(T, remaining)
+        boundary = (start + n) // self.config.page_size * self.config.page_size
+        if self.snapshots is not None and start < boundary < start + n:
+            n = boundary - start
+            T, W = self.config.chunk_shape(start, n)
+        return T, W, n
 
     def _prefill_chunk(self, r: _Request, masks: dict[int, np.ndarray]) -> list[Event]:
         start = r.computed
@@ -419,6 +439,7 @@ class ServingEngine:
         logits = self.steps.run_step(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W,
                                      np.array([r.slot]))
         self._written(r, n)
+        self._snapshot(r)
         self.stats.prefill_tokens += n
         self.stats.prefill_chunks += 1
         self.stats.largest_chunk_scores = max(self.stats.largest_chunk_scores, T * (T + self.config.attended(W)))
@@ -496,6 +517,17 @@ class ServingEngine:
                 self.pool.register(r.pages[i], r.hashes[i])
             r.registered = full
 
+    def _snapshot(self, r: _Request) -> None:
+        """After a prefill chunk: with state snapshots, copy ``r``'s slot states if the chunk ended
+        on a page boundary whose states no snapshot holds yet."""
+        full, partial = divmod(r.computed, self.config.page_size)
+        if self.snapshots is None or partial or not full:
+            return
+        row = self.snapshots.claim(r.hashes[full - 1])
+        if row is not None:
+            self.steps.snapshot(r.slot, row)
+            self.stats.snapshots_taken += 1
+
     def _emit(self, r: _Request, out: Sampled, row: int) -> Event:
         """Append row ``row`` of ``out`` to ``r`` (telling its constraint), finish ``r`` if that
         ends it; its Event."""
@@ -522,8 +554,7 @@ class ServingEngine:
 
     def _free(self, r: _Request) -> None:
         """Give ``r``'s pages and slot back (its registered full pages stay in the prefix cache)."""
-        if self.pool is not None:
-            self.pool.release(r.pages)
+        self.pool.release(r.pages)
         r.pages = []
         self._slots[r.slot] = None
         r.slot = None
@@ -535,7 +566,7 @@ def stream_on_pages(engine: Engine, ids: list[list[int]], max_new_tokens: int,
     kernel mode generates (its steps attend on the kernels): the rows are served concurrently, one
     slot each, and their tokens handed out position by position as every row has produced it."""
     context = max(2, min(max(len(r) for r in ids) + max_new_tokens, engine.config.max_position_embeddings))
-    page = ServingConfig.page_size
+    page = default_page_size(engine.config)
     # Room for every row at full length at once: no row waits for pages (each position is handed
     # out only when every row has produced it, so one waiting row would hold back all of them).
     server = ServingEngine(engine, ServingConfig(slots=len(ids), page_size=page, max_context=context,

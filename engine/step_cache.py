@@ -25,6 +25,7 @@ cache's own (``<dir>/steps``): on and off with ``--compile-cache``.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import logging
 import os
@@ -35,6 +36,8 @@ from typing import Any, Callable, Hashable
 
 import jax
 from jax.experimental import serialize_executable
+
+from dayzero.model.quant import NIBBLE_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +180,11 @@ class StepCache:
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _load_or_build(self, fn: Any, static: dict, args: tuple, kwargs: dict) -> Callable:
+        if any(getattr(x, "dtype", None) in NIBBLE_TYPES for x in jax.tree.leaves((args, kwargs))):
+            # XLA:CPU (jaxlib 0.10) reports committed 4-bit arrays with a sub-byte element size of
+            # 0 while an ahead-of-time executable asks for 4, so calling one refuses them ("compiled
+            # for input layouts that disagree"). jit's own dispatch does not check: use it, unstored.
+            return functools.partial(fn, **static)
         path, directory = None, self._directory or directory_in_use()
         if directory is not None:
             _listen_for_persistent_hits()

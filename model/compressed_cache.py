@@ -60,8 +60,9 @@ class NewCompressed:
     rope_len: jax.Array  # the cache's new ``rope_len``
 
 
-def _layer_spec(config: ModelConfig, kind: CompressKind, batch: int, max_len: int,
-                kv_quant: KVQuant) -> CompressedLayer:
+def layer_spec(config: ModelConfig, kind: CompressKind, batch: int, max_len: int,
+               kv_quant: KVQuant) -> CompressedLayer:
+    """One layer's cache declared for ``batch`` rows of ``max_len`` positions (see the module docstring)."""
     cc, H = config.compressed, config.head_dim
     window = buffer_spec((batch, cc.window, H), ("batch", None, None), 2, kv_quant)
     if kind is CompressKind.SLIDING:
@@ -84,7 +85,7 @@ def cache_specs(config: ModelConfig, batch: int, max_len: int, kv_quant: KVQuant
     """The cache declared abstractly (as ``cache.cache_specs`` for the other attentions)."""
     lengths = ParamSpec((batch,), ("batch",), Init.ZEROS, jnp.dtype(jnp.int32))
     rope_len = ParamSpec((), (), Init.ZEROS, jnp.dtype(jnp.int32))
-    layers = tuple(_layer_spec(config, kind, batch, max_len, kv_quant) for kind in config.compressed.kinds)
+    layers = tuple(layer_spec(config, kind, batch, max_len, kv_quant) for kind in config.compressed.kinds)
     return CompressedCache(layers=layers, lengths=lengths, rope_len=rope_len, max_len=max_len)
 
 

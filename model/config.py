@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # imported for real in from_json only: hf_config_vision imports this module
+    from dayzero.model.hf_config_vision import VisionConfig
 
 
 class ConfigError(ValueError):
@@ -51,6 +54,9 @@ class Family(enum.Enum):
     # Kimi-Linear: Kimi Delta Attention layers between latent-attention layers without RoPE,
     # DeepSeek-V3 routing
     KIMI_LINEAR = "kimi_linear"
+    # Qwen1.5-MoE / Qwen2-57B-A14B: Qwen2's attention (q/k/v biases), softmax top-k routing and a
+    # shared expert behind a sigmoid gate in each sparse layer
+    QWEN2_MOE = "qwen2_moe"
 
 
 class AttentionKind(enum.Enum):
@@ -100,6 +106,22 @@ class RopeConfig:
     # Fraction of each head that is rotated (HF partial_rotary_factor): its first
     # int(head_dim * factor) dims, as half-split pairs; the rest passes through unrotated.
     partial_rotary_factor: float = 1.0
+    # Multi-axis RoPE (Qwen3-VL, Qwen3.5: HF mrope_section, mrope_interleaved): how many of the
+    # R/2 frequencies turn with the temporal, height and width position of a token; interleaved:
+    # frequency j turns with height if j % 3 == 1 and j < 3 * sections[1], with width if j % 3 == 2
+    # and j < 3 * sections[2], else with time. Empty: one position axis. A text token has the
+    # same position on all three axes, where this is plain RoPE.
+    mrope_section: tuple[int, ...] = ()
+    mrope_interleaved: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))  # a JSON list reads back
+        section = self.mrope_section
+        if section and (len(section) != 3 or any(isinstance(s, bool) or not isinstance(s, int) or s < 0
+                                                 for s in section)):
+            raise ConfigError(f"mrope_section={list(section)} must be 3 non-negative integers (time, height, width)")
+        if self.mrope_interleaved and not section:
+            raise ConfigError("mrope_interleaved=True needs an mrope_section")
 
     def rotary_dim(self, head_dim: int) -> int:
         """R: how many leading dims of a head of ``head_dim`` are rotated (HF's int(H * factor))."""
@@ -419,6 +441,9 @@ class ModelConfig:
     # The query projection also gives a gate per head and dim: the attention output is scaled by
     # sigmoid(gate) before ``o`` (Qwen3-Next's full-attention layers).
     attn_output_gate: bool = False
+    # The vision tower in front of the text model (Qwen3-VL, Qwen3.5 multimodal files), with the
+    # image placeholder token ids; None: a text-only model.
+    vision: VisionConfig | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -469,6 +494,9 @@ class ModelConfig:
                 "layer with at least one full-attention layer (and no compressed attention)")
         if self.moe is not None and len(self.moe.layers) != self.num_layers:
             raise ConfigError(f"{len(self.moe.layers)} MoE layer flags given for {self.num_layers} layers")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ConfigError(f"the vision tower's out_hidden_size={self.vision.out_hidden_size} differs from "
+                              f"hidden_size={self.hidden_size}: its embeddings could not replace token embeddings")
 
     def is_linear_layer(self, i: int) -> bool:
         """Whether decoder layer ``i`` is a linear-attention layer of a hybrid model."""
@@ -491,6 +519,8 @@ class ModelConfig:
         if self.compressed is not None:
             d["compressed"]["kinds"] = [k.value for k in self.compressed.kinds]
             d["compressed"]["compress_rope"]["type"] = self.compressed.compress_rope.type.value
+        if self.vision is not None:
+            d["vision"] = self.vision.to_json()
         return d
 
     @classmethod
@@ -513,6 +543,11 @@ class ModelConfig:
                                              "compress_rope": RopeConfig(**crope)})
         hyper = d.pop("hyper", None)
         linear = d.pop("linear", None)
+        vision = d.pop("vision", None)
+        if vision is not None:
+            from dayzero.model.hf_config_vision import VisionConfig
+
+            vision = VisionConfig.from_json(vision)
         return cls(
             family=Family(d.pop("family")),
             rope=RopeConfig(**rope),
@@ -525,5 +560,6 @@ class ModelConfig:
             compressed=compressed,
             hyper=None if hyper is None else HyperConfig(**hyper),
             linear=None if linear is None else LinearAttnConfig(**{**linear, "layers": tuple(linear["layers"])}),
+            vision=vision,
             **d,
         )

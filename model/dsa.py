@@ -24,20 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.model.config import ModelConfig
+from dayzero.model.norm import layer_norm
 from dayzero.model.quant import dequantized
 from dayzero.model.rope import apply_rope, deinterleave
 from dayzero.model.weights import IndexerWeights
 
 # HF builds the indexer's k_norm as nn.LayerNorm(index_head_dim, eps=1e-6), whatever rms_norm_eps is.
 K_NORM_EPS = 1e-6
-
-
-def _layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
-    """LayerNorm over the last axis, in fp32 (the indexer key's norm; the model's other norms are RMS)."""
-    x32 = x.astype(jnp.float32)
-    mean = x32.mean(-1, keepdims=True)
-    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-    return ((x32 - mean) * jax.lax.rsqrt(var + K_NORM_EPS) * weight + bias).astype(x.dtype)
 
 
 def _rope(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -52,7 +45,7 @@ def _rope(x: jax.Array, config: ModelConfig, cos_sin: tuple[jax.Array, jax.Array
 def index_keys(w: IndexerWeights, config: ModelConfig, x: jax.Array,
                cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
     """The indexer key of each token of ``x`` [B,T,D] -> [B,T,J], as the cache stores it."""
-    k = _layer_norm(x @ w.k, w.k_norm, w.k_norm_bias)
+    k = layer_norm(x @ w.k, w.k_norm, w.k_norm_bias, K_NORM_EPS)
     return _rope(k[:, :, None], config, cos_sin)[:, :, 0]
 
 

@@ -19,9 +19,18 @@ read from the engine's own declarations, so the planner sizes what the engine wo
   row per batch row whatever the context, value heads split over ``tensor``). The transient
   buffers are still sized as if every layer were an attention layer (an over-estimate for the
   linear layers, whose chunked form holds [chunk, chunk] per head, not [T, S]);
-- DeepSeek-V4's KV instead: the serving engine's slot cache, a replica's rows of
-  ``compressed_cache.cache_specs`` (window rings, compressed entries, index keys, compressor
-  states), laid out by their own axes; V4's steps too are counted in ``model.footprint_v4``;
+- the prefix cache's state snapshots, for a hybrid and DeepSeek-V4 (``Component.STATE_SNAPSHOTS``):
+  ``engine.paged_steps.PagedSteps.snapshots``, copies of a slot's per-sequence states (a hybrid's
+  linear states, V4's rings and compressor states) at page boundaries, ``work.snapshot_rows``
+  rows per replica (the serving default: 4 per planned row) of each per-slot tensor, declared and
+  laid out as the slot states are (``paged_cache_specs(...).slot_states`` with that many rows: a
+  hybrid's value heads split over ``tensor``, V4's whole; quantized rings with their scales).
+  The engine gives them that layout from their first copy on (the warmup's); until then a fresh
+  tree sits whole on the first device (``tools/plan_measure`` measures both; this counts the former);
+- DeepSeek-V4's KV: its serving pool from the same ``paged_cache_specs`` (compressed entries and
+  index keys in pages of a multiple of its ratios, 128 positions for the published models; window
+  rings and compressor states in one slot per row), laid out by their own axes; V4's page size,
+  cache and steps are counted in ``model.footprint_v4``;
 - whether the engine runs the model on a mesh: ``model.mesh_check.mesh_refusal``, the decision
   ``engine.runtime`` raises;
 - the transient buffers (``activations``) and the collectives (``model.footprint_steps``) of
@@ -123,6 +132,11 @@ class DecodeFootprint:
         weights = sorted(WeightQuant, key=lambda q: _FIDELITY.index(q) if q in _FIDELITY else len(_FIDELITY))
         return {"quantize": tuple(q.value for q in weights), "kv_cache": tuple(k.value for k in KVQuant)}
 
+    def page_size(self, work: Workload) -> int:
+        """The serving engine's page for this model: ``work.page_size``, for DeepSeek-V4 rounded
+        up to a multiple of its ratios (``footprint_v4.page_size``)."""
+        return footprint_v4.page_size(self.config, work) if self.config.compressed is not None else work.page_size
+
     def refusal(self, work: Workload, axes: Mapping[str, int]) -> str | None:
         """The engine's reason for refusing this mesh (``mesh_check.mesh_refusal``); ``auto``
         kernels never refuse one (they take the reference path where the heads do not split)."""
@@ -137,12 +151,16 @@ class DecodeFootprint:
 
     def cache(self, work: Workload, axes: Mapping[str, int]) -> list[Tensor]:
         """The serving engine's page pools (values and scales) holding ``work.batch`` rows of
-        ``work.context`` positions, one replica's pool per data replica (module docstring)."""
+        ``work.context`` positions, one replica's pool per data replica, and its prefix cache's
+        state snapshots where the model keeps per-sequence states (module docstring)."""
         s = storage(work)
         rows = -(-work.batch // int(axes.get("data", 1)))
-        if self.config.compressed is not None:  # DeepSeek-V4: a slot cache per replica (footprint_v4)
-            return list(_slot_cache_tensors(self.config, s.kv, s.dtype.name, rows, work.context))
-        return list(_cache_tensors(self.config, s.kv, s.dtype.name, rows, work.context, work.page_size))
+        page = self.page_size(work)
+        if self.config.compressed is not None:  # DeepSeek-V4: its paged pool per replica (footprint_v4)
+            pool = _v4_pool_tensors(self.config, s.kv, s.dtype.name, rows, work.context, page)
+        else:
+            pool = _cache_tensors(self.config, s.kv, s.dtype.name, rows, work.context, page)
+        return list(pool + _snapshot_tensors(self.config, s.kv, s.dtype.name, work.snapshot_rows(rows), page))
 
     def steps(self, work: Workload, axes: Mapping[str, int]) -> dict[str, list[Step]]:
         """The serving engine's steps on the reference path, one replica's (``data`` > 1 is
@@ -155,7 +173,7 @@ class DecodeFootprint:
                      tensor=int(axes.get("tensor", 1)), converted=quantized_kv)
         rows = -(-work.batch // int(axes.get("data", 1)))
         if self.config.compressed is not None:
-            return footprint_v4.steps(work, rows, sizes)
+            return footprint_v4.steps(self.config, work, rows, sizes)
         return {"decode": [Step(B=rows, T=1, S=work.decode_positions, **sizes)],
                 "prefill": [Step(B=1, T=T, S=S, **sizes) for T, S in work.prefill_shapes()]}
 
@@ -196,15 +214,35 @@ def _cache_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, cont
                               state_slots=rows)
     if config.linear is not None:  # a hybrid: the attention layers' pages, and a state row per slot
         pages = specs.attn.replace(block_tables=None, lengths=None, rope_len=None)  # host inputs (module docstring)
-        return tuple(_tensors(specs.replace(attn=pages, slots=None), dtype, Component.KV_CACHE, Component.KV_SCALES))
-    pools = specs.replace(block_tables=None, lengths=None, rope_len=None)
-    return tuple(_tensors(pools, dtype, Component.KV_CACHE, Component.KV_SCALES))
+        return _replica_pool(specs.replace(attn=pages, slots=None), dtype)
+    return _replica_pool(specs.replace(block_tables=None, lengths=None, rope_len=None), dtype)
 
 
 @functools.lru_cache(maxsize=256)
-def _slot_cache_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, context: int) -> tuple[Tensor, ...]:
-    specs = footprint_v4.slot_cache_specs(config, rows, context, kv)
-    return tuple(footprint_v4.on_replica(t) for t in _tensors(specs, dtype, Component.KV_CACHE, Component.KV_SCALES))
+def _v4_pool_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, context: int,
+                     page: int) -> tuple[Tensor, ...]:
+    return _replica_pool(footprint_v4.pool_specs(config, rows, context, page, kv), dtype)
+
+
+@functools.lru_cache(maxsize=256)
+def _snapshot_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, page: int) -> tuple[Tensor, ...]:
+    """A replica's ``rows`` prefix-cache snapshot rows (``PagedSteps.snapshots``): the pool's
+    per-slot states declared with ``rows`` slots (one page: the pages are not copied); none for
+    a model without per-sequence states, or with no rows."""
+    if rows == 0 or (config.linear is None and config.compressed is None):
+        return ()
+    states = paged_cache_specs(config, 1, page, kv_quant=kv, state_slots=rows).slot_states
+    return _replica_pool(states, dtype, Component.STATE_SNAPSHOTS, Component.STATE_SNAPSHOTS)
+
+
+def _replica_pool(specs, dtype: str, values: Component = Component.KV_CACHE,
+                  scales: Component = Component.KV_SCALES) -> tuple[Tensor, ...]:
+    """A replica's pool (or snapshot rows) as tensors of ``values`` and ``scales``. Its per-slot
+    rows (a hybrid's linear states, DeepSeek-V4's rings and compressor states, declared on
+    ``batch``) are the replica's own: each replica lays its pool out on its ``tensor`` x
+    ``expert`` devices (``engine.replicas``), so ``batch`` does not split them again over ``data``."""
+    tensors = _tensors(specs, dtype, values, scales)
+    return tuple(dataclasses.replace(t, axes=tuple(None if a == "batch" else a for a in t.axes)) for t in tensors)
 
 
 def _tensors(specs, dtype: str, values: Component, scales: Component) -> list[Tensor]:

@@ -8,7 +8,7 @@ engine's forward call on the reference path (``paged_steps._forward_logits`` wit
 the logits of the last position only. With ``data`` > 1 the replicas are independent
 (``engine.replicas``): nothing splits or joins a step's rows, so no buffer here has a ``batch``
 axis. ``Engine``'s contiguous decode is not planned: a deployment serves from the pages.
-DeepSeek-V4 (a slot cache, not pages) is counted in ``footprint_v4``.
+DeepSeek-V4 (entry pages beside per-slot rings and compressor states) is counted in ``footprint_v4``.
 
 Buffers (:func:`step_stages`): a stage is a point of the step with the buffers live there
 together; every stage includes the step's outputs (each layer's new cache rows) and the

@@ -3,108 +3,122 @@
 ``footprint`` and ``footprint_steps`` hand V4 here; everything V4-specific the planner counts is in
 this module. Letters: B rows, T new tokens, W window, H head width, N query heads, r a layer's
 ratio (CSA 4, HCA 128), m = 2 for CSA's overlapping windows (1 for HCA), I x J index heads and
-width, n hyper-connection streams of D.
+width, k = index_topk, n hyper-connection streams of D.
 
-Cache (:func:`slot_cache_specs`). The serving engine holds V4's caches as a slot cache
-(``compressed_slots``): one row of ``compressed_cache.cache_specs`` per serving slot, sized for
-``work.context`` positions (no pages). A replica's ``ceil(batch / data)`` rows hold, per layer,
-the window ring [rows, W, H]; on CSA/HCA layers the entries [rows, ceil(context / r), H] and the
-compressor's state (kv and gate [rows, m*r, m*H]); on CSA layers the index keys [rows,
-ceil(context / r), J] and the indexer compressor's state [rows, 2r, 2J] twice. Window rows,
-entries and index keys are KV rows (quantized with the KV cache, one fp32 scale per row); the
-states stay in the compute dtype. They are laid out by their own logical axes on the replica's
-devices (:func:`on_replica`: the rows are the replica's own, so ``batch`` does not split again
-over ``data``), as ``compressed_cache.cache_specs`` declares them: today by row only, every leaf
-whole on each ``tensor`` device (a declared position split, ``latent_seq``, is followed too:
-:func:`_position_axis`). ``Engine.generate``'s contiguous cache is the same tree over its whole
-batch, ``batch`` split over ``data``: the same bytes per device. The step's slot indices, lengths
-and ``rope_len`` are not counted (small host inputs, as the page pools' tables).
+Cache (:func:`pool_specs`). The serving engine holds V4's cache as a paged pool
+(``compressed_paged.PagedCompressedCache``, declared by ``paged_cache.paged_cache_specs``): the
+compressed entries, which grow with the sequence, in pages; the window rings and compressor
+states, a fixed size per sequence, in one row per serving slot. A page covers ``page`` positions
+(:func:`page_size`: ``work.page_size`` rounded up to a multiple of every ratio, the serving
+engine's default, ``paged_steps.default_page_size``: 128 for the published ratios 4 and 128), so
+it holds page / r entries of a layer. A replica's ``ceil(batch / data)`` rows hold
+``ceil(context / page)`` pages each: per CSA/HCA layer the entry pages [pages, page / r, H], per
+CSA layer the index-key pages [pages, page / r, J]; and a slot per row: per layer the window ring
+[slots, W, H], on CSA/HCA layers the compressor's state (kv and gate [slots, m*r, m*H]), on CSA
+layers the indexer compressor's [slots, 2r, 2J] twice. Rings, entries and index keys are KV rows
+(quantized with the KV cache, one fp32 scale per row); the states stay in the compute dtype. The
+pages lie on ``latent_pages``, which every strategy keeps whole (``sharding.rules`` says why), so
+each device of a replica holds them whole, as it holds the replica's slots (the rows are the
+replica's own, so ``batch`` does not split again over ``data``: ``footprint._replica_pool``). The step's block
+tables, slots, lengths and ``rope_len`` are not counted (small host inputs, as for every pool).
+The prefix cache's snapshots of the slot rows (rings and states, 4 per slot by default) are
+counted beside the pool, as for a hybrid's states (``footprint._snapshot_tensors``).
+``Engine.generate``'s contiguous cache holds the same bytes per device where ``context`` is a
+whole number of pages (its rows split over ``data``; ``tools/plan_measure`` compares both).
 
-Steps (:func:`steps`), as the serving engine runs them with a slot cache: a replica's decode step
-(its rows, one token each, over their slots' rows of ``context`` positions) and a
-``context``-long prompt's prefill chunks (:func:`chunk_shapes`): the first, which reads no cache,
-and the chunks after it, which read the slot's whole row and which the serving engine shrinks so
-that T x context stays within its chunk budget (16 tokens at 1M positions). The reference path
-(``compressed.compressed_block``) attends over the whole buffers whatever the row's length:
-[window ring | new rows | every cached entry | the call's window grid], so a chunk's buffers
-depend on T and on the context, not on how far the prompt has got.
+Steps (:func:`steps`), as the serving engine runs them: a replica's decode step (its rows, one
+token each, over the widest table for the context: ``ServingConfig.max_table_pages`` pages, a
+power of two and at least ``MIN_TABLE_PAGES``, so S = W_t x page positions, :func:`decode_positions`)
+and a ``context``-long prompt's prefill chunks (:func:`chunk_shapes`): the first, which reads no
+cache, and the later chunk shapes of ``ServingConfig.chunk_shape`` (T halved until T x W_t x page
+is within the chunk budget) that no other one exceeds in both T and S: at 1M positions with pages
+of 128, 512 tokens over 32 pages, 256 over 64, ..., 16 over 8192. A step reads its table's pages
+whatever the row's length (``PagedCompressedCache.layer``: the entries [B, S / r, C]), so its
+buffers depend on T and S, not on how far the prompt has got.
 
-Buffers (:func:`step_stages`), what the reference path materialises, per layer kind; each stage
-also holds the step's outputs (every layer's new rows, entries and compressor states, which the
-slot write reads after the forward), the MoE output rows XLA holds for every layer
-(``footprint_steps._held``) and the residual streams [B, T, n, D]:
+Buffers (:func:`step_stages`), what the reference path (``compressed.compressed_block``)
+materialises, per layer kind; each stage also holds the step's outputs (every layer's new rows,
+entries and compressor states, which the page and slot writes read after the forward), the MoE
+output rows XLA holds for every layer (``footprint_steps._held``) and the residual streams
+[B, T, n, D]. The pages and slots gathered for a layer (after its input, one layer's at a time)
+are not a buffer of their own: XLA fuses the gathers into their readers (seen in the tiny V4
+decode: the concatenations of the HCA keys and of the indexer's keys read the pages directly).
 
-- the layer's rows gathered from the step's slots (``SlotCache.layer``, one layer's at a time, as
-  stored): materialised where the cached entries are split by position (XLA relays them out
-  before concatenating); elsewhere the gather fuses into the keys' concatenation;
-
-- attention: the keys [B, S_k, H] (S_k = W + T, plus ceil(context / r) + T // r + 1 on CSA/HCA
-  layers) whole on every device, concatenated (one copy; where the cached entries are split by
-  position XLA gathers the concatenation and relays it out: :data:`KEY_COPIES`), the mask
-  [B, T, S_k] and two fp32 score arrays [B, N, T, S_k] split by query head. HCA reads every
-  visible entry, and CSA too: its indexer's picks only narrow the mask of the same dense softmax;
-- the CSA indexer (``compressor.index_select``), at two points: its keys [B, E + M, J] (the cached
-  ones dequantized and concatenated with the call's) with the per-head scores [B, T*I, E + M] in
-  fp32 (a chunk's two: the product and its relu-weighted copy, made in place for one token; the
-  index heads whole on every device, the positions split where the cached keys are, E + M padded
-  to a multiple of ``tensor``), then
-  the head-summed scores [B, T, E + M] whole for the top-k (two fp32) with the visibility and
-  chosen masks; the layer's attention keys are live beside the per-head scores' last copy and the
-  top-k (XLA concatenates them once the indexer's keys are consumed);
+- attention: the keys [B, S_k, H] (S_k = W + T, the ring none for a chunk reading no cache, plus
+  E + M = S / r + T // r + 1 cached and new entries where the layer reads them densely) whole on
+  every device, the mask [B, T, S_k] and two fp32 score arrays [B, N, T, S_k] split by query
+  head. HCA reads every visible entry densely, and so does CSA where that is cheaper (a prefill
+  chunk: its indexer's picks only narrow the mask of the same dense softmax). Where gathering
+  reads fewer rows (``compressed._gathers``: T x k < E + M, every decode step once more than k
+  entries are addressed, short chunks over wide tables) CSA gathers each query's k picked rows
+  [B, T, k, H] instead, and its scores and mask cover S_k + k keys;
+- the CSA indexer (``compressor.index_select``), at two points: its keys [B, E + M, J] (the
+  cached ones dequantized and concatenated with the call's) with the per-head scores
+  [B, T*I, E + M] in fp32 (a chunk's two: the product and its relu-weighted copy, made in place
+  for one token), whole on every device, then the head-summed scores [B, T, E + M] for the top-k
+  (two fp32) with the visibility and chosen masks; the layer's attention keys are live beside the
+  per-head scores' last copy and the top-k (XLA concatenates them once the indexer's keys are
+  consumed). The indexer reads every index key the table addresses: at long contexts it is the
+  decode step's peak;
 - a compressor (``compressor.compress``; the main one of a CSA or HCA layer, C = H): the
   projections [B, T, m*C] (kv and gate) and the window grid of the call, M = T // r + 1 windows of
   m*r slots [B, M, m*r, C]: the gathered rows and their softmax weights in the compute dtype, the
   gates and their exponentials in fp32. The indexer's own compressor is the same at width J < H;
 - a hyper-connection mix (``hyper.mix``/``merge``): the streams in and out [B, T, n, D] and the
   fp32 flattened input [B, T, n*D] with its RMS-normed copy;
-- a quantized cache: the gathered ring, entries and index keys read through compute-dtype
-  copies, one layer's at a time (counted with the gathered rows);
 - MoE and the output as for the other families (``footprint_steps``).
 
 With ``expert`` > 1 XLA splits the step's tokens over the expert devices on the attention path
 (the rows B where the expert size divides them, else the tokens T): the buffers above carry that
-split (:func:`_rows`), the keys gathered "whole" included (their rows).
+split (:func:`_rows`), the keys gathered whole included (their rows).
 
-Collectives (:func:`step_collectives`): as the other families' tensor-parallel ones (embedding,
-attention output projection, MoE, logits), plus, where the cached entries are split by position,
-per CSA/HCA layer the keys gathered whole (all-gather) and per CSA layer the index keys and the
-head-summed index scores gathered whole. The all-to-alls XLA adds to relay out the gathered keys
-are not counted. Checked against XLA's compiled memory analysis and HLO of the serving engine's
-forward over a slot cache on tiny V4 models (``tools/plan_check.V4_CASES``).
+Collectives (:func:`step_collectives`): the tensor-parallel ones of the other families (embedding,
+attention output projection, MoE, logits). The pages and slots are whole on every device of a
+replica, so reading them moves nothing. Checked against XLA's compiled memory analysis of the
+serving engine's forward over the paged pool on tiny V4 models (``tools/plan_check.V4_CASES``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
-from dayzero.model import compressed_slots
+from dayzero.model.compressed import _gathers
+from dayzero.model.compressed_paged import page_multiple
 from dayzero.model.config import CompressKind, ModelConfig
+from dayzero.model.paged_cache import paged_cache_specs
 from dayzero.model.quant import KVQuant
 from dayzero.sharding.planner import Collective, Op, Stage, Tensor, Workload
 
 # Copies XLA materialised on tiny V4 models (module docstring; tools/plan_check.V4_CASES).
-KEY_COPIES = 2  # the keys gathered whole and relaid out (where the entries are split by position)
 SCORE_COPIES = 2
 INDEX_SCORE_COPIES = 2
 F32, I32, BOOL = 4, 4, 1
+# The serving engine's narrowest block table (``ServingConfig.min_table_pages``'s default, kept
+# equal by a test): a step reads at least this many pages.
+MIN_TABLE_PAGES = 4
 
 
 # ---- the cache ------------------------------------------------------------------------------------
 
 
-def slot_cache_specs(config: ModelConfig, rows: int, context: int, kv: KVQuant):
-    """The spec tree of a replica's slot cache (module docstring), the serving engine's own
-    declaration (``compressed_slots.slot_cache_specs``: ``rows`` slots of ``context`` positions),
-    without the step's slot indices, lengths and ``rope_len`` (host inputs)."""
-    return compressed_slots.slot_cache_specs(config, rows, context, kv_quant=kv).replace(
-        slots=None, lengths=None, rope_len=None)
+def page_size(config: ModelConfig, work: Workload) -> int:
+    """Positions a page of V4's pool covers: ``work.page_size`` rounded up to a multiple of every
+    compression ratio (``compressed_paged.page_multiple``), as the serving engine's default
+    (``paged_steps.default_page_size``: 128 for the published ratios 4 and 128)."""
+    return math.lcm(work.page_size, page_multiple(config))
 
 
-def on_replica(t: Tensor) -> Tensor:
-    """A cache tensor of a replica's own rows: its ``batch`` axis is whole on the replica's
-    devices (a replica is its ``tensor`` x ``expert`` devices; ``data`` splits the replicas)."""
-    return dataclasses.replace(t, axes=tuple(None if a == "batch" else a for a in t.axes))
+def pool_specs(config: ModelConfig, rows: int, context: int, page: int, kv: KVQuant):
+    """The spec tree of a replica's pool (module docstring), the serving engine's own declaration
+    (``paged_cache_specs``: ``ceil(context / page)`` pages of ``page`` positions for each of
+    ``rows`` rows, and ``rows`` slots of rings and compressor states), without the step's block
+    tables, slots, lengths and ``rope_len`` (host inputs)."""
+    per_row = -(-context // page)
+    specs = paged_cache_specs(config, rows * per_row, page, batch=rows, table_width=per_row, kv_quant=kv,
+                              state_slots=rows)
+    return specs.replace(block_tables=None, slots=None, lengths=None, rope_len=None)
 
 
 # ---- the steps ------------------------------------------------------------------------------------
@@ -115,28 +129,70 @@ def _bucket(n: int, minimum: int) -> int:
     return 1 << max(n - 1, minimum - 1).bit_length()
 
 
-def chunk_shapes(work: Workload) -> tuple[tuple[int, bool], ...]:
-    """(T, reads the cache) of a ``work.context``-long prompt's prefill chunks with the largest
-    buffers, as the serving engine shapes them with a slot cache (``ServingConfig.chunk_shape``):
-    the first chunk, ``min(prefill_chunk, bucket(context))`` tokens reading no cache, and, if the
-    prompt is longer, a chunk after it reading the slot's whole row, shrunk to the largest chunk
-    size T with T x context within the chunk budget (``ServingConfig.slot_chunk``, at least
+def _table_width(work: Workload, page: int, pages: int) -> int:
+    """The bucketed table width addressing ``pages`` pages (``ServingConfig.table_width``): a
+    power of two, at least ``MIN_TABLE_PAGES``, at most the widest (for ``work.context``)."""
+    widest = max(_bucket(-(-work.context // page), 1), MIN_TABLE_PAGES)
+    return min(max(_bucket(pages, 1), MIN_TABLE_PAGES), widest)
+
+
+def decode_positions(work: Workload, page: int) -> int:
+    """Positions a decode step's table addresses per row: the widest table for ``work.context``
+    (``ServingConfig.max_table_pages``) times the page."""
+    return _table_width(work, page, -(-work.context // page)) * page
+
+
+def _chunk(work: Workload, page: int, start: int, remaining: int) -> tuple[int, int | None]:
+    """(T, W) of the next prefill chunk of a prompt with ``start`` positions cached and
+    ``remaining`` to go, as ``ServingConfig.chunk_shape`` shapes it: W None for the first chunk
+    (it reads no cache), else T halved until T x W x page is within the chunk budget (or T is
     ``min_chunk``)."""
-    first = min(work.prefill_chunk, _bucket(work.context, work.min_chunk))
-    if work.context <= first:
-        return ((first, False),)
-    sizes = [1 << e for e in range(work.min_chunk.bit_length() - 1, work.prefill_chunk.bit_length())]
-    slot = max((T for T in sizes if T * work.context <= work.chunk_budget), default=work.min_chunk)
-    return (first, False), (min(first, slot, _bucket(work.context - first, work.min_chunk)), True)
+    T = min(work.prefill_chunk, _bucket(remaining, work.min_chunk))
+    if start == 0:
+        return T, None
+    while True:
+        W = _table_width(work, page, -(-(start + min(T, remaining)) // page))
+        if T <= work.min_chunk or T * W * page <= work.chunk_budget:
+            return T, W
+        T //= 2
 
 
-def steps(work: Workload, rows: int, sizes: dict) -> dict:
-    """The decode step (``rows`` rows of one token over the slot cache of ``work.context``
-    positions) and the prefill chunks of :func:`chunk_shapes` (one row; S = 0: no cache read)."""
+@functools.lru_cache(maxsize=64)
+def prompt_chunks(work: Workload, page: int) -> tuple[tuple[int, int | None], ...]:
+    """Every distinct (T, W) of a ``work.context``-long prompt's chunks, in order. A run of equal
+    chunks is stepped over at once: the shape stays while a whole chunk remains and the next one
+    still ends inside the table (T and W depend on nothing else)."""
+    start, shapes = 0, {}
+    while start < work.context:
+        remaining = work.context - start
+        T, W = _chunk(work, page, start, remaining)
+        shapes[(T, W)] = None
+        run = 1 if W is None else max(1, min((W * page - start) // T, remaining // T))
+        start += run * T
+    return tuple(shapes)
+
+
+def chunk_shapes(work: Workload, page: int) -> tuple[tuple[int, int], ...]:
+    """(T, S) of the prefill chunks the planner sizes: the prompt's first chunk (S = 0: it reads
+    no cache) and each later chunk shape that no other one exceeds in both its tokens T and the
+    positions S = W x page its table addresses (:func:`prompt_chunks`). A step's buffers grow
+    with T, with S and with T x S; along that front the serving engine trades one for the other
+    within the chunk budget (a full chunk over a narrow table, ..., ``min_chunk`` tokens over the
+    widest)."""
+    (first, _), *later = prompt_chunks(work, page)
+    cached = [(T, W * page) for T, W in later]
+    front = [(T, S) for T, S in cached if not any(t >= T and s >= S and (t, s) != (T, S) for t, s in cached)]
+    return ((first, 0), *sorted(front, reverse=True))
+
+
+def steps(config: ModelConfig, work: Workload, rows: int, sizes: dict) -> dict:
+    """The decode step (``rows`` rows of one token over the widest table, :func:`decode_positions`)
+    and the prefill chunks of :func:`chunk_shapes` (one row; S = 0: no cache read)."""
     from dayzero.model.footprint_steps import Step
 
-    return {"decode": [Step(B=rows, T=1, S=work.context, **sizes)],
-            "prefill": [Step(B=1, T=T, S=work.context if cached else 0, **sizes) for T, cached in chunk_shapes(work)]}
+    page = page_size(config, work)
+    return {"decode": [Step(B=rows, T=1, S=decode_positions(work, page), **sizes)],
+            "prefill": [Step(B=1, T=T, S=S, **sizes) for T, S in chunk_shapes(work, page)]}
 
 
 def _act(name: str, shape: tuple[int, ...], axes: tuple, itemsize: int, count: int = 1) -> Tensor:
@@ -151,17 +207,30 @@ def _kinds(c: ModelConfig) -> list[CompressKind]:
 
 
 def _entries(c: ModelConfig, st, kind: CompressKind) -> tuple[int, int]:
-    """(E, M) of a layer of ``kind``: the cache's entry rows ceil(S / r) and the call's window
-    grid T // r + 1 (both 0 on a sliding-only layer)."""
+    """(E, M) of a layer of ``kind``: the entries the step's table addresses, S / r (a page holds
+    a whole number of them), and the call's window grid T // r + 1 (both 0 on a sliding layer)."""
     r = c.compressed.ratio_of(kind)
     return (0, 0) if r is None else (-(-st.S // r), st.T // r + 1)
 
 
-def _keys(c: ModelConfig, st, kind: CompressKind) -> int:
-    """S_k: the keys a query of a layer of ``kind`` is scored against (module docstring); a chunk
-    reading no cache (S = 0) has no ring and no cached entries."""
+def _picks(c: ModelConfig, st, kind: CompressKind) -> int:
+    """The entry rows each query of a CSA layer gathers (``compressed._gathers``: k =
+    min(index_topk, E + M) where T x k is fewer rows than the E + M a dense pass reads); 0 where
+    the layer reads its entries densely (HCA, a CSA prefill chunk, a sliding layer)."""
+    if kind is not CompressKind.CSA:
+        return 0
     E, M = _entries(c, st, kind)
-    return (c.compressed.window if st.S else 0) + st.T + E + M
+    k = min(c.compressed.index_topk, E + M)
+    return k if _gathers(st.T, k, E + M) else 0
+
+
+def _keys(c: ModelConfig, st, kind: CompressKind) -> int:
+    """S_k: the keys a layer of ``kind`` concatenates for its queries (module docstring): the ring
+    (none for a chunk reading no cache), the new rows, and the cached and new entries unless the
+    layer gathers its picks (:func:`_picks`)."""
+    E, M = _entries(c, st, kind)
+    entries = 0 if _picks(c, st, kind) else E + M
+    return (c.compressed.window if st.S else 0) + st.T + entries
 
 
 def _rows(st) -> tuple[str | None, str | None]:
@@ -176,30 +245,6 @@ def _rows(st) -> tuple[str | None, str | None]:
     return None, None
 
 
-@functools.lru_cache(maxsize=64)
-def _position_axis(c: ModelConfig) -> str | None:
-    """The logical axis the cache declares for the positions of the entries and index keys
-    (``compressed_cache.cache_specs``): ``latent_seq`` if they split by position over
-    ``tensor``, None if each device holds them whole (the declaration as it stands: by row only)."""
-    kind = next((k for k in c.compressed.kinds if k is not CompressKind.SLIDING), None)
-    if kind is None:
-        return None
-    layer = compressed_slots.slot_cache_specs(c, 1, 1).layers[c.compressed.kinds.index(kind)]
-    entries = getattr(layer.entries, "values", layer.entries)
-    return entries.axes[1]
-
-
-def _split(c: ModelConfig, st, E: int) -> bool:
-    """Whether a layer's E cached entries (and index keys) are split by position on this step's
-    devices: declared so (:func:`_position_axis`) and ``tensor`` divides them (``spec_for``)."""
-    return bool(st.S and E and _position_axis(c) and st.tensor > 1 and E % st.tensor == 0)
-
-
-def _padded(n: int, ways: int) -> int:
-    """``n`` rounded up to a multiple of ``ways`` (XLA pads a dimension it splits unevenly)."""
-    return -(-n // ways) * ways
-
-
 def step_stages(c: ModelConfig, st) -> list[Stage]:
     """The stages of one V4 step (module docstring); each includes the step's outputs, the held
     MoE rows and the residual streams."""
@@ -211,8 +256,6 @@ def step_stages(c: ModelConfig, st) -> list[Stage]:
     stages = []
     for kind in _kinds(c):
         label = {CompressKind.SLIDING: "sliding", CompressKind.CSA: "CSA", CompressKind.HCA: "HCA"}[kind]
-        if st.S:
-            stages.append(Stage(f"{label} layer's rows gathered from their slots", base + _gathered(c, st, kind)))
         stages.append(Stage(f"{label} attention over window and entries", base + _attention(c, st, kind)))
         if kind is not CompressKind.SLIDING:
             stages.append(Stage(f"{label} compressor window grid", base + _compressor(c, st, kind)))
@@ -220,8 +263,7 @@ def step_stages(c: ModelConfig, st) -> list[Stage]:
             # XLA concatenates the layer's keys (which need no picks) once the indexer's own keys
             # are consumed: they are live beside the per-head scores' last copy and the top-k
             # (seen in the tiny V4 steps' buffer assignments).
-            keys = _act("attention keys, whole", (st.B, _keys(c, st, kind), c.head_dim), (_rows(st)[0], None, None),
-                        st.k)
+            keys = _act("attention keys", (st.B, _keys(c, st, kind), c.head_dim), (b, None, None), st.k)
             scores, top_k = _indexer(c, st)
             last = dataclasses.replace(scores[-1], count=1)
             stages += [Stage("CSA indexer scores per head", base + scores),
@@ -262,64 +304,34 @@ def _outputs(c: ModelConfig, st) -> tuple[Tensor, ...]:
     return tuple(out)
 
 
-def _gathered(c: ModelConfig, st, kind: CompressKind) -> tuple[Tensor, ...]:
-    """One layer's cache rows gathered from the step's slots (``SlotCache.layer``, after the
-    layer's input: one layer's at a time), as stored and laid out like the slot cache (module
-    docstring): ring, entries, index keys (a quantized cache's one-byte values and fp32 scales,
-    and their compute-dtype copies) and the compressor states. Materialised where the entries are
-    split by position (XLA relays the gathered rows out before it concatenates them); elsewhere
-    the gather fuses into the keys' concatenation, and a chunk with S = 0 reads no cache."""
-    cc, B, H, k = c.compressed, st.B, c.head_dim, st.k
-    E, _ = _entries(c, st, kind)
-    if not _split(c, st, E):  # XLA fuses the gather into the keys' concatenation (S = 0: reads none)
-        return ()
-    r = cc.ratio_of(kind)
-    b, _ = _rows(st)
-    rows = [("window ring", (B, cc.window, H), (b, None, None))]
-    states = []
-    if r is not None:
-        m = 2 if kind is CompressKind.CSA else 1
-        rows.append(("entries", (B, E, H), (b, _position_axis(c), None)))
-        states.append(("compressor state", (B, m * r, m * H)))
-    if kind is CompressKind.CSA:
-        J = cc.index_head_dim
-        rows.append(("index keys", (B, E, J), (b, _position_axis(c), None)))
-        states.append(("indexer compressor state", (B, 2 * r, 2 * J)))
-    item = 1 if st.converted else k
-    out = [_act(f"{name}: a layer's rows gathered from their slots", shape, axes, item) for name, shape, axes in rows]
-    if st.converted:  # read through compute-dtype copies (one layer's), which the keys concatenate
-        out += [_act(f"{name}: gathered scales", shape[:-1], axes[:-1], F32) for name, shape, axes in rows]
-        out += [_act(f"{name} in compute dtype", shape, axes, k) for name, shape, axes in rows]
-    out += [_act(f"{name}: gathered (kv and gate)", shape, (b, None, None), k, 2) for name, shape in states]
-    return tuple(out)
-
-
 def _attention(c: ModelConfig, st, kind: CompressKind) -> tuple[Tensor, ...]:
-    """One layer's dense softmax over [ring | new rows | cached entries | new entries]."""
+    """One layer's softmax over [ring | new rows | cached entries | new entries] (S_k keys), or on
+    a CSA layer that gathers its picks, over [ring | new rows] and each query's k picked rows."""
     B, T, N, H, k, S = st.B, st.T, c.num_heads, c.head_dim, st.k, _keys(c, st, kind)
     b, t = _rows(st)
     heads = (b, t, "q_heads", None)
-    E, _ = _entries(c, st, kind)
+    picks = _picks(c, st, kind)
     out = [_act("queries", (B, T, N, H), heads, k),
-           _act("keys and values, whole", (B, S, H), (b, None, None), k, KEY_COPIES if _split(c, st, E) else 1),
-           _act("visibility mask", (B, T, S), (b, t, None), BOOL),
-           _act("scores", (B, N, T, S), (b, "q_heads", t, None), F32, SCORE_COPIES),
+           _act("keys and values", (B, S, H), (b, None, None), k),
+           _act("visibility mask", (B, T, S + picks), (b, t, None), BOOL),
+           _act("scores", (B, N, T, S + picks), (b, "q_heads", t, None), F32, SCORE_COPIES),
            _act("attention output", (B, T, N, H), heads, k)]
+    if picks:
+        out.append(_act("picked entry rows", (B, T, picks, H), (b, t, None, None), k))
     return tuple(out)
 
 
 def _indexer(c: ModelConfig, st) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
-    """CSA's indexer, two points: its per-head scores (split by position, with its keys), then the
-    head-summed scores whole for the top-k (the per-head scores and the keys freed by then)."""
+    """CSA's indexer, two points: its per-head scores (with its keys), then the head-summed scores
+    whole for the top-k (the per-head scores and the keys freed by then)."""
     cc, B, T, k = c.compressed, st.B, st.T, st.k
     E, M = _entries(c, st, CompressKind.CSA)
     I, J = cc.index_heads, cc.index_head_dim
     b, t = _rows(st)
-    keys = _act("index keys, whole", (B, E + M, J), (b, None, None), k)
-    positions = (_padded(E + M, st.tensor), _position_axis(c)) if _split(c, st, E) else (E + M, None)
+    keys = _act("index keys", (B, E + M, J), (b, None, None), k)
     copies = INDEX_SCORE_COPIES if T > 1 else 1  # one token's relu-weighted copy is made in place
-    scores = (keys, _act("index scores per head", (B, T * I, positions[0]), (b, t, positions[1]), F32, copies))
-    top_k = (_act("index scores, whole for the top-k", (B, T, E + M), (b, t, None), F32, 2),
+    scores = (keys, _act("index scores per head", (B, T * I, E + M), (b, t, None), F32, copies))
+    top_k = (_act("index scores for the top-k", (B, T, E + M), (b, t, None), F32, 2),
              _act("visibility and chosen masks", (B, T, E + M), (b, t, None), BOOL, 2))
     return scores, top_k
 
@@ -351,28 +363,12 @@ def step_collectives(c: ModelConfig, st) -> list[Collective]:
     """The collectives of one V4 step per device (module docstring)."""
     from dayzero.model.footprint_steps import _moe_collectives, _moe_layers
 
-    B, T, D, k, L, cc = st.B, st.T, c.hidden_size, st.k, c.num_layers, c.compressed
+    B, T, D, k, L = st.B, st.T, c.hidden_size, st.k, c.num_layers
     rows = ((B, T, D), (None, None, None))
     out = [Collective("embedding lookup: partial rows of the vocabulary-split table", Op.ALL_REDUCE, "vocab",
                       c.vocab_size, *rows, k),
            Collective("attention output projection (o_b): partial sums over the group split", Op.ALL_REDUCE,
                       "q_heads", c.num_heads, *rows, k, L)]
-    b, t = _rows(st)
-    for kind in _kinds(c):
-        E, M = _entries(c, st, kind)
-        if not E:
-            continue
-        layers = cc.kinds.count(kind)
-        if not _split(c, st, E):  # whole on every device: nothing to gather
-            continue
-        split = _position_axis(c)
-        out.append(Collective("keys gathered whole (cached entries split by position)", Op.ALL_GATHER, split, E,
-                              (B, _keys(c, st, kind), c.head_dim), (b, None, None), k, layers))
-        if kind is CompressKind.CSA:
-            out += [Collective("index keys gathered whole", Op.ALL_GATHER, split, E,
-                               (B, E + M, cc.index_head_dim), (b, None, None), k, layers),
-                    Collective("index scores gathered whole for the top-k", Op.ALL_GATHER, split, E,
-                               (B, T, E + M), (b, t, None), F32, layers)]
     if _moe_layers(c):
         out += _moe_collectives(c, st)
     out.append(Collective("logits gathered over the vocabulary split for sampling", Op.ALL_GATHER, "vocab",

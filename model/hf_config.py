@@ -223,7 +223,8 @@ def _parse_rope(r: _Reader, head_dim: int, max_pos: int, traits: _Traits) -> Rop
     kwargs: dict[str, Any] = {}
     for key, value in params.items():
         name = renamed.get(key, key)
-        if name not in fields or name in ("type", "theta"):
+        # M-RoPE's keys are read by the Qwen multimodal parsers only (hf_config_linear, hf_config_vision).
+        if name not in fields or name in ("type", "theta", "mrope_section", "mrope_interleaved"):
             raise ConfigError(f"unknown RoPE parameter '{key}' for rope_type '{type_name}'")
         kwargs[name] = value
     if rope_type in (RopeType.LLAMA3, RopeType.YARN):
@@ -587,6 +588,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
 
     if model_type in LINEAR_MODEL_TYPES:
         return parse_linear_config(raw)
+    from dayzero.model.hf_config_vision import QWEN_VL_TEXT, parse_qwen_vl_config
+
+    if model_type in QWEN_VL_TEXT:  # Qwen3-VL(-MoE): a vision tower before Qwen3(-MoE) with M-RoPE
+        return parse_qwen_vl_config(raw)
     try:
         family = Family(model_type)
     except ValueError:
@@ -598,6 +603,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
         from dayzero.model.hf_config_v4 import parse_v4_config
 
         return parse_v4_config(raw)
+    if family is Family.QWEN2_MOE:  # its own module: HF's qwen2_moe keys and defaults
+        from dayzero.model.hf_config_qwen2moe import parse_qwen2moe_config
+
+        return parse_qwen2moe_config(raw)
     traits = _TRAITS[family]
     # A family's HF defaults fill only the keys the file leaves out (or sets to null).
     filled = {k: v for k, v in traits.defaults if raw.get(k) is None}

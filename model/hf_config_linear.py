@@ -38,6 +38,7 @@ from dayzero.model.hf_config import (
     _MOE_TRAINING_ONLY, _REQUIRED_VALUES, _Reader, _Traits, _parse_mla, _parse_rope, _qwen_moe_layers, _token_ids,
     fold_aliases, fp8_block_size,
 )
+from dayzero.model.hf_config_vision import QWEN3_5_MROPE, parse_composite, split_mrope
 
 # Text model_type -> family; the multimodal wrappers' model_type -> their text model_type.
 _QWEN_TEXT = {"qwen3_next": Family.QWEN3_NEXT, "qwen3_5_text": Family.QWEN3_5, "qwen3_5_moe_text": Family.QWEN3_5_MOE}
@@ -86,12 +87,11 @@ _QWEN_IGNORED = {
 # partial_rotary_factor defaults to 0.25 of head_dim (HF: kwargs.setdefault in __post_init__).
 _QWEN_ROPE = _Traits(partial_rotary=True, rotary_fraction=0.25)
 
-# M-RoPE (Qwen3.5): rope_parameters' mrope_section / mrope_interleaved say how the rotary pairs are
-# split between the temporal, height and width position axes. A text token has the same position
-# on all three axes (HF expands position_ids to 3 x the same), so for text the recomposed
-# frequencies are exactly plain RoPE's whatever these say: they are read and nothing is refused.
-# Issue #17 (images and video) needs them, with the vision tower this parser leaves out.
-_MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+# M-RoPE (Qwen3.5, text and multimodal files alike): rope_parameters' mrope_section says how the
+# rotary frequencies are shared between the temporal, height and width position axes, kept in
+# RopeConfig (hf_config_vision.split_mrope). A text token has the same position on all three
+# axes (HF expands position_ids to 3 x the same), where this is plain RoPE. Qwen3-Next has none:
+# such keys are refused there as unknown RoPE parameters.
 
 
 def parse_linear_config(raw: dict[str, Any]) -> ModelConfig:
@@ -133,17 +133,6 @@ def _check_fixed(r: _Reader, fixed: dict[str, tuple[Any, str]], model_type: str)
         if r.get(key, allowed) != allowed:
             raise ConfigError(f"{key}={r.raw[key]!r} is not supported for {model_type} ({why}); set it to {allowed!r} "
                               "or remove it")
-
-
-def _strip_mrope(raw: dict[str, Any], family: Family) -> dict[str, Any]:
-    """``raw`` with the M-RoPE keys taken out of rope_parameters (Qwen3.5 only; see _MROPE_KEYS)."""
-    params = raw.get("rope_parameters")
-    if family is Family.QWEN3_NEXT or not isinstance(params, dict):
-        return raw  # Qwen3-Next has no M-RoPE: such keys are refused as unknown RoPE parameters
-    section = params.get("mrope_section")
-    if section is not None and not (isinstance(section, list) and all(isinstance(s, int) for s in section)):
-        raise ConfigError(f"rope_parameters' mrope_section={section!r} must be a list of integers")
-    return {**raw, "rope_parameters": {k: v for k, v in params.items() if k not in _MROPE_KEYS}}
 
 
 def _qwen_layer_flags(r: _Reader, num_layers: int) -> tuple[bool, ...]:
@@ -195,7 +184,14 @@ def _qwen_moe(r: _Reader, family: Family, num_layers: int) -> MoEConfig | None:
                                   f"computes {key}={allowed!r} (every layer sparse, top-k renormalised)")
         layers, renormalize = (True,) * num_layers, True
     top_k, width = int(r.require("num_experts_per_tok")), int(r.require("moe_intermediate_size"))
-    shared = int(r.require("shared_expert_intermediate_size"))
+    return gated_shared_moe(num_experts, top_k, width, layers, renormalize,
+                            int(r.require("shared_expert_intermediate_size")))
+
+
+def gated_shared_moe(num_experts: int, top_k: int, width: int, layers: tuple[bool, ...], renormalize: bool,
+                     shared: int) -> MoEConfig | None:
+    """Qwen's MoE (Qwen3-Next, Qwen3.5, Qwen2-MoE): softmax top-k experts beside one shared expert
+    of width ``shared`` behind a sigmoid gate; None when no layer is sparse (HF with 0 experts)."""
     if num_experts == 0 or not any(layers):
         return None
     if shared < 1:
@@ -210,7 +206,8 @@ def _parse_qwen_text(raw: dict[str, Any], family: Family, standalone: bool) -> M
     the quantization_config)."""
     model_type = raw["model_type"]
     filled = {k: v for k, v in _QWEN_DEFAULTS[family].items() if raw.get(k) is None}
-    r = _Reader({**_strip_mrope(raw, family), **filled})
+    stripped, mrope = (raw, {}) if family is Family.QWEN3_NEXT else split_mrope(raw, QWEN3_5_MROPE)
+    r = _Reader({**stripped, **filled})
     r.seen.update({"model_type", *filled, *_QWEN_IGNORED})
     _check_common(r, model_type, standalone)
     _check_fixed(r, _QWEN_FIXED, model_type)
@@ -233,7 +230,7 @@ def _parse_qwen_text(raw: dict[str, Any], family: Family, standalone: bool) -> M
         head_dim=head_dim,
         rms_norm_eps=float(r.require("rms_norm_eps")),
         max_position_embeddings=max_pos,
-        rope=_parse_rope(r, head_dim, max_pos, _QWEN_ROPE),
+        rope=dataclasses.replace(_parse_rope(r, head_dim, max_pos, _QWEN_ROPE), **mrope),
         tie_word_embeddings=bool(r.get("tie_word_embeddings", False)),
         qk_norm=True,
         bos_token_id=r.get("bos_token_id"),
@@ -259,52 +256,13 @@ def _refuse_leftover(r: _Reader, model_type: str) -> None:
 
 # ---- the multimodal Qwen3.5 files --------------------------------------------------------------
 
-_MULTIMODAL_IGNORED = {
-    # The vision tower (issue #17). dayzero converts and runs the text model only: the converter
-    # skips the model.visual.* tensors by name (dayzero.convert.name_map_linear), so image and
-    # video inputs cannot be served until #17 reads this config and those weights.
-    "vision_config": "the vision tower (issue #17), not converted or run",
-    # Whether the file carries the vision tower at all (vLLM's switch); the text model is the same.
-    "language_model_only": "says whether the vision tower is present, which dayzero does not read",
-}
-
 
 def _parse_multimodal(raw: dict[str, Any]) -> ModelConfig:
-    """A ``qwen3_5`` / ``qwen3_5_moe`` file: its ``text_config`` parsed as the text model, the
-    vision part left out (issue #17). The top level's tie_word_embeddings is the one HF's
-    ``*ForConditionalGeneration`` ties by; its token ids, where given, win over text_config's."""
-    model_type, text_type = raw["model_type"], _MULTIMODAL[raw["model_type"]]
-    text = raw.get("text_config")
-    if not isinstance(text, dict):
-        raise ConfigError(f"config.json of model_type={model_type!r} has no text_config object; it is not a "
-                          "Qwen3.5 checkpoint's config")
-    if text.get("model_type", text_type) != text_type:
-        raise ConfigError(f"text_config model_type={text['model_type']!r} does not belong in a {model_type!r} "
-                          f"config (expected {text_type!r})")
-    if not isinstance(raw.get("vision_config", {}), dict):
-        raise ConfigError(f"vision_config={raw['vision_config']!r} must be an object")
-    r = _Reader(raw)
-    r.seen.update({"model_type", "text_config", "tie_word_embeddings", *_MULTIMODAL_IGNORED})
-    _check_quantization(r)
-    # Keys that only repeat text_config's (fine-tuning tools copy hidden_size or the MTP depth up).
-    for key in r.leftover():
-        if key in text and text[key] == raw[key]:
-            r.seen.add(key)
-    _refuse_leftover(r, model_type)
-    # HF's *ForConditionalGeneration ties lm_head to the embedding by the top level's flag (default
-    # False) and never reads text_config's, which HF's own to_dict() leaves at its default when
-    # only the top level's is set: so text_config's is ignored, not compared.
-    tie = bool(raw.get("tie_word_embeddings", False))
-    try:
-        config = _parse_qwen_text({**text, "model_type": text_type}, _QWEN_TEXT[text_type], standalone=False)
-    except ConfigError as e:
-        raise ConfigError(f"text_config: {e}") from None
-    ids = {}
-    if raw.get("bos_token_id") is not None:
-        ids["bos_token_id"] = raw["bos_token_id"]
-    if raw.get("eos_token_id") is not None:
-        ids["eos_token_ids"] = _token_ids(raw["eos_token_id"])
-    return dataclasses.replace(config, tie_word_embeddings=tie, **ids)
+    """A ``qwen3_5`` / ``qwen3_5_moe`` file (``dayzero.model.hf_config_vision.parse_composite``):
+    its ``text_config`` parsed as the text model, its ``vision_config`` as the vision tower."""
+    text_type = _MULTIMODAL[raw["model_type"]]
+    return parse_composite(raw, text_type, lambda text: _parse_qwen_text(text, _QWEN_TEXT[text_type],
+                                                                         standalone=False))
 
 
 # ---- Kimi-Linear --------------------------------------------------------------------------------

@@ -93,6 +93,16 @@ class HybridCache:
         slots = after_input(self.slots, after)
         return jax.tree.map(lambda leaf: jnp.take(leaf, slots, axis=0, mode="clip"), state)
 
+    @property
+    def slot_states(self) -> tuple[LinearState, ...]:
+        """The states (with a pool: [slots, ...] per leaf): what a prefix-cache snapshot copies
+        (``engine.paged_steps``)."""
+        return self.states
+
+    def with_slot_states(self, states: tuple[LinearState, ...]) -> "HybridCache":
+        """The cache with ``states`` (as :attr:`slot_states` gives them)."""
+        return self.replace(states=states)
+
     def with_rows(self, **rows) -> "HybridCache":
         """A step's rows: ``slots`` for the states, the rest (``block_tables``, ``lengths``) for
         the attention cache."""

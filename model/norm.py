@@ -1,4 +1,5 @@
-"""RMSNorm, shared by the decoder layers, the q/k norms and the latent-attention block."""
+"""RMSNorm, shared by the decoder layers, the q/k norms and the latent-attention block; LayerNorm,
+shared by DeepSeek-V3.2's indexer keys and the Qwen vision tower."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, axes: int | tuple[int,
     if offset:
         return ((offset + weight.astype(jnp.float32)) * normed).astype(x.dtype)
     return weight * normed.astype(x.dtype)
+
+
+def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """LayerNorm over the last axis (mean removed, unit variance, then ``weight`` and ``bias``),
+    computed in fp32 and cast back to ``x``'s dtype. ``eps`` 1e-6: what HF builds for the
+    DeepSeek-V3.2 indexer key's norm and every norm of the Qwen3-VL / Qwen3.5 vision tower."""
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + eps) * weight + bias).astype(x.dtype)

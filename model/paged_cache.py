@@ -34,8 +34,10 @@ paged kernel reads the pages in place.
 With a kernel mode, a step reads the pages in place instead: ``kernel_view`` wraps the cache for
 it and ``with_written`` takes the written pages back (``dayzero.model.kernel_attention``).
 
-DeepSeek-V4's cache (window rings, compressed entries, compressor states) is not paged: serving
-holds it per slot (``dayzero.model.compressed_slots``), and :func:`paged_cache_specs` refuses it.
+DeepSeek-V4's cache pages its compressed entries and keeps its window rings and compressor
+states per serving slot (``dayzero.model.compressed_paged``), as a linear-attention hybrid keeps
+its states (``dayzero.model.linear_cache``); :func:`paged_cache_specs` and
+:func:`append_to_pages` hand both over to their modules.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from dayzero.kernels import KernelMode
+from dayzero.model.compressed_cache import NewCompressed
 from dayzero.model.config import ModelConfig
 from dayzero.model.cache import (NewKV, NewLatent, buffer_spec, empty_from_specs, page_slots, write_head_rows,
                                  write_rows)
@@ -153,13 +156,16 @@ def paged_cache_specs(config: ModelConfig, num_pages: int, page_size: int, batch
     the rules keep whole (``sharding.rules`` says why). With ``kv_quant`` every pool is a
     ``QuantizedArray`` of values and a float32 scale per (head,) page and slot, split with its
     values. A linear-attention hybrid gets a ``linear_cache.HybridCache``: pages for its attention
-    layers and a pool of ``state_slots`` rows of linear-layer states (one per serving slot)."""
+    layers and a pool of ``state_slots`` rows of linear-layer states (one per serving slot);
+    DeepSeek-V4 a ``compressed_paged.PagedCompressedCache`` (entries in pages, ``state_slots``
+    rows of window rings and compressor states)."""
     def pool(shape: tuple[int, ...], axes: tuple[str | None, ...]):
         return buffer_spec(shape, axes, len(shape) - 1, kv_quant)  # the channel is every pool's last axis
 
-    if config.compressed is not None:
-        raise ValueError("DeepSeek-V4's window rings, compressed entries and compressor states are not paged; "
-                         "serve it with a slot cache (dayzero.model.compressed_slots.slot_cache_specs)")
+    if config.compressed is not None:  # entries in pages, rings and compressor states per slot
+        from dayzero.model.compressed_paged import paged_specs
+
+        return paged_specs(config, num_pages, page_size, batch, table_width, kv_quant, state_slots)
     if config.linear is not None:
         from dayzero.model.linear_cache import attention_config, hybrid_specs
 
@@ -202,6 +208,10 @@ def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLate
     Every page a real token lands in must be in the row's table (the host allocates them
     first). Jit it with the cache donated, apart from ``forward``.
     """
+    if isinstance(new, NewCompressed):  # DeepSeek-V4: entries into pages, rings and states into slots
+        from dayzero.model.compressed_paged import append_to_paged
+
+        return append_to_paged(cache, new)
     if not isinstance(cache, (PagedKVCache, PagedLatentCache)):  # a hybrid: pages, then the state pool
         from dayzero.model.linear_cache import append_states
 

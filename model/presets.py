@@ -24,8 +24,8 @@ would, so a preset is only ever a shortcut for a file (``dayzero plan --preset N
   (``dayzero.model.footprint_v4``).
 - ``qwen3-next-80b-a3b``: Qwen3-Next-80B-A3B-Instruct (Gated DeltaNet hybrid, 512 experts, 10 per
   token, a gated shared expert); ``qwen3.5-397b-a17b``: Qwen3.5-397B-A17B, the largest Qwen3.5 MoE,
-  in its published multimodal form (the text model under ``text_config``; the vision tower is left
-  out, issue #17); ``kimi-linear-48b-a3b``: Kimi-Linear-48B-A3B-Instruct (Kimi Delta Attention
+  in its published multimodal form (the text model under ``text_config``, the vision tower under
+  ``vision_config``: both counted); ``kimi-linear-48b-a3b``: Kimi-Linear-48B-A3B-Instruct (Kimi Delta Attention
   and latent attention without RoPE, 1-based layer lists in ``linear_attn_config``). Sources are
   noted beside each.
 """
@@ -390,8 +390,8 @@ _QWEN3_NEXT_80B_A3B: dict[str, Any] = {
 # 32 query / 2 kv heads of 256, 16 key / 64 value linear heads of 128, 512 experts (10 per token)
 # of width 1024 and a shared expert of 1024, vocabulary 248320, 262144 positions, as the
 # mlx-community card and three independent ports (omegalax's registry among them) agree. The text
-# model counts 396.3B parameters; with the 0.46B vision tower (depth 27, hidden 1152, out 4096),
-# which dayzero leaves out (issue #17), 396.8B: the published "397B".
+# model counts 396.3B parameters; with the 0.46B vision tower (depth 27, hidden 1152, out 4096), as
+# Qwen3_5MoeVisionConfig's defaults and the 35B-A3B file give it, 396.8B: the published "397B".
 _QWEN3_5_397B_A17B: dict[str, Any] = {
     "architectures": ["Qwen3_5MoeForConditionalGeneration"],
     "image_token_id": 248056,

@@ -107,6 +107,9 @@ class WeightQuant(enum.Enum):
     FP8_BLOCK = "fp8-block"  # e4m3 per [in, out] block (128 x 128, or a native FP8 checkpoint's)
     INT4 = "int4"  # routed experts int4 in groups of INT4_GROUP inputs per output; the rest int8
     MXFP4 = "mxfp4"  # routed experts MXFP4 (gpt-oss's published format, kept as stored); the rest float
+    # Routed experts MXFP4, every other projection fp8-block: DeepSeek-V4's published formats (FP4
+    # experts, FP8 weights with 128 x 128 block scales), both kept as stored.
+    MXFP4_FP8_BLOCK = "mxfp4+fp8-block"
 
 
 class KVQuant(enum.Enum):
@@ -163,8 +166,9 @@ KV_FORMATS = {KVQuant.INT8: ValueFormat.INT8, KVQuant.FP8: ValueFormat.FP8}
 class QuantConfig:
     """How a checkpoint's weights are quantized (recorded in its manifest).
 
-    ``block``: the [in, out] block of ``FP8_BLOCK`` (a native FP8 checkpoint's own block,
-    transposed to dayzero's input-first layout, else :data:`FP8_BLOCK`).
+    ``block``: the [in, out] block of ``FP8_BLOCK``'s leaves and of ``MXFP4_FP8_BLOCK``'s FP8 ones
+    (a native FP8 checkpoint's own block, transposed to dayzero's input-first layout, else
+    :data:`FP8_BLOCK`).
     """
 
     weights: WeightQuant = WeightQuant.NONE
@@ -359,7 +363,7 @@ def take_along_axis(x: Any, indices: jax.Array, axis: int) -> Any:
 
 # 4-bit element types, which XLA packs two to a byte (measured on XLA:CPU, see the module
 # docstring) while ml_dtypes' itemsize says 1.
-_NIBBLE_TYPES = {jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4), jnp.dtype(jnp.float4_e2m1fn)}
+NIBBLE_TYPES = {jnp.dtype(jnp.int4), jnp.dtype(jnp.uint4), jnp.dtype(jnp.float4_e2m1fn)}
 
 
 def stored_bytes(tree: Any) -> int:
@@ -367,7 +371,7 @@ def stored_bytes(tree: Any) -> int:
     scales included: half a byte per int4 / float4 element (rounded up per array)."""
     def one(x) -> int:
         dtype = jnp.dtype(x.dtype)
-        return -(-x.size // 2) if dtype in _NIBBLE_TYPES else x.size * dtype.itemsize
+        return -(-x.size // 2) if dtype in NIBBLE_TYPES else x.size * dtype.itemsize
     return int(sum(one(x) for x in jax.tree.leaves(tree)))
 
 

@@ -99,10 +99,28 @@ def _dynamic_ntk_inv_freq(rope: RopeConfig, head_dim: int, max_position: int, se
     return 1.0 / (base ** jnp.asarray(_base_exponents(head_dim)))
 
 
+def mrope_axes(rope: RopeConfig, num_freqs: int) -> np.ndarray:
+    """Which position axis (0 temporal, 1 height, 2 width) each of the ``num_freqs`` rotary
+    frequencies reads under interleaved M-RoPE (HF Qwen3-VL's ``recomposition_frequencies``):
+    frequency i is height's if i % 3 == 1 and i < 3 * section[1], width's if i % 3 == 2 and
+    i < 3 * section[2], temporal's otherwise."""
+    section = rope.mrope_section
+    if not section or not rope.mrope_interleaved:
+        raise ValueError(f"positions [3, B, T] need interleaved M-RoPE; the config has mrope_section={section}, "
+                         f"mrope_interleaved={rope.mrope_interleaved}: pass positions [B, T]")
+    axes = np.zeros(num_freqs, np.int32)
+    for axis in (1, 2):
+        axes[axis: 3 * section[axis]: 3] = axis
+    return axes
+
+
 def rope_cos_sin(
     rope: RopeConfig, head_dim: int, max_position: int, positions: jnp.ndarray, seq_len: jnp.ndarray | None = None
 ) -> tuple[jnp.ndarray, jnp.ndarray]:
     """cos and sin tables [B, T, R] (fp32) for integer ``positions`` [B, T]; R = ``rope.rotary_dim(head_dim)``.
+
+    ``positions`` [3, B, T] (temporal, height, width; ``dayzero.model.mrope``) rotate by
+    interleaved M-RoPE (:func:`mrope_axes`); equal axes give exactly the tables of [B, T].
 
     ``seq_len`` is only used by dynamic NTK: the longest sequence seen so far, as HF tracks it.
     """
@@ -112,7 +130,11 @@ def rope_cos_sin(
         inv_freq = _dynamic_ntk_inv_freq(rope, rope.rotary_dim(head_dim), max_position, seq_len)
     else:
         inv_freq = jnp.asarray(static_inv_freq(rope, head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
+    if positions.ndim == 3:  # M-RoPE: each frequency reads the position of its own axis
+        positions = jnp.moveaxis(positions[mrope_axes(rope, inv_freq.shape[0])], 0, -1)  # [B, T, R/2]
+        angles = positions.astype(jnp.float32) * inv_freq
+    else:
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
     angles = jnp.concatenate([angles, angles], axis=-1)
     scale = yarn_attention_factor(rope) if rope.type is RopeType.YARN else 1.0
     return jnp.cos(angles) * scale, jnp.sin(angles) * scale

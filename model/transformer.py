@@ -31,6 +31,7 @@ from dayzero.model.mla import attend_latent, mla_block
 from dayzero.model.mla_parallel import attend_latent_split
 from dayzero.model.moe import moe, swiglu
 from dayzero.model.moe_parallel import moe_expert_parallel
+from dayzero.model.mrope import ImageInput
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.kernels import KernelMode
@@ -254,6 +255,7 @@ def forward(
     hidden_out: list | None = None,
     parallel: Parallel | None = None,
     kernels: KernelMode = KernelMode.REFERENCE,
+    images: ImageInput | None = None,
 ) -> tuple[jax.Array, NewKV | NewLatent | PagedKernelCache]:
     """Run ``tokens`` [B,T] as the continuation of each cached row (from scratch if no cache).
 
@@ -270,6 +272,10 @@ def forward(
     inside ``shard_map`` over the head split). A
     :class:`~dayzero.model.kernel_attention.PagedKernelCache` (a step on the paged kernels,
     which carries its own mode) is returned written, in place of the new keys/values.
+    ``images`` (Qwen3-VL, Qwen3.5; ``dayzero.model.mrope``): image embeddings written over their
+    placeholders' token embeddings, DeepStack features added after the first layers, and the
+    tokens' M-RoPE positions [3, B, T] used by every attention layer in place of the cache
+    positions (also in text steps after an image prompt, shifted by the rope deltas).
     """
     B, T = tokens.shape
     if num_new is None:
@@ -280,6 +286,8 @@ def forward(
         starts, max_len = cache.lengths, cache.max_len
         rope_len = jnp.maximum(cache.rope_len, jnp.max(starts + num_new))
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    if images is not None:
+        positions = images.position_ids
     cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
     masks = {
         window: attention_masks(starts, num_new, T, max_len, window)
@@ -289,6 +297,8 @@ def forward(
         compress_cos_sin = rope_cos_sin(config.compressed.compress_rope, config.head_dim,
                                         config.max_position_embeddings, positions, rope_len)
     x = jnp.take(weights.embed, tokens, axis=0)
+    if images is not None:
+        x = images.scatter(x)
     if config.hyper is not None:
         x = hyper.expand(x, config.hyper)
     token_major = cache is not None and cache.keys_token_major
@@ -316,6 +326,8 @@ def forward(
             frame = LinearFrame(num_new, linear_kernels)
         x, added, picks = decoder_layer(layer, config, x, layer_cos_sin, layer_cache, layer_masks, parallel,
                                         token_major, picks, tokens, frame)
+        if images is not None:
+            x = images.add_deepstack(x, i)
         new.append(added)
         if hidden_out is not None:
             hidden_out.append(x)

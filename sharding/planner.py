@@ -10,9 +10,11 @@ per-device bytes follow from the same rules. No device and no allocation is need
 
 What the tensors and collectives are is the model's business: a :class:`Footprint`
 (``dayzero.model.footprint`` implements it) lists the weights (with their quantization scales),
-the KV (the serving engine's page pools, or DeepSeek-V4's slot cache), the transient buffers of a
-decode step and of a prefill chunk, their collectives, and whether the engine runs the model on a
-mesh at all (``refusal``: the engine's own check). This
+the KV (the serving engine's page pools; for a linear-attention hybrid or DeepSeek-V4 also the
+states each sequence keeps beside its pages, and the prefix cache's snapshots of them), the
+transient buffers of a decode step and of a prefill chunk, their collectives, the page size the
+serving engine would use, and whether the engine runs the model on a mesh at all (``refusal``:
+the engine's own check). This
 package imports nothing from ``dayzero.model`` (see DESIGN.md), so the footprint is passed in.
 
 Mesh choice (:func:`plan`): every data x tensor x expert factorisation of the device count whose
@@ -44,6 +46,9 @@ RULE = (
 )
 
 GiB = 1 << 30
+# The serving engine's prefix-cache snapshot rows per slot for models with per-sequence states
+# (``ServingConfig.state_snapshots``' default, 4 x ``slots``; kept equal by a test).
+SNAPSHOTS_PER_SLOT = 4
 DTYPES = {"bfloat16": 2, "float32": 4}  # compute / float-weight dtypes a plan may name
 STEPS = ("decode", "prefill")
 
@@ -59,6 +64,7 @@ class Component(enum.Enum):
     WEIGHT_SCALES = "weight_scales"
     KV_CACHE = "kv_cache"
     KV_SCALES = "kv_scales"
+    STATE_SNAPSHOTS = "state_snapshots"  # the prefix cache's copies of per-sequence states (values and scales)
     ACTIVATIONS = "activations"
 
 
@@ -119,7 +125,8 @@ class Collective:
 class Workload:
     """What to plan for: devices and their memory, the storage options (spelled as ``dayzero
     generate --quantize/--kv-cache`` spells them; parsed by the footprint with the engine's
-    parsers), the compute dtype, batch rows, context, the prefill chunk, devices per host."""
+    parsers), the compute dtype, batch rows, context, the prefill chunk, devices per host, and the
+    serving engine's settings the plan follows (chunk limits, page, prefix-cache state snapshots)."""
 
     devices: int
     device_memory: int  # bytes
@@ -137,9 +144,16 @@ class Workload:
     # ``chunk_budget``, halving the chunk down to ``min_chunk`` tokens to get there.
     chunk_budget: int = 1 << 21
     min_chunk: int = 16
-    # The serving engine's KV page (``ServingConfig.page_size``'s default, kept equal by a test):
-    # the KV planned is its page pools, ceil(context / page_size) pages per row.
+    # The serving engine's KV page where nothing else constrains it (``ServingConfig.page_size``
+    # resolves to ``engine.paged_steps.default_page_size(model)``: 16, kept equal by a test): the
+    # KV planned is its page pools, ceil(context / page) pages per row. DeepSeek-V4's footprint
+    # rounds it up to a multiple of its ratios as that default does (128 for the published model);
+    # the page a plan used is ``Plan.page_size``.
     page_size: int = 16
+    # Prefix-cache snapshot rows per replica for models with per-sequence states (a hybrid's
+    # linear layers, DeepSeek-V4's rings and compressor states): ``ServingConfig.state_snapshots``;
+    # None for its default, SNAPSHOTS_PER_SLOT per planned row (:meth:`snapshot_rows`); 0: none.
+    state_snapshots: int | None = None
 
     def __post_init__(self):
         for name in ("quantize", "kv_cache", "dtype", "kernels"):  # enums given: their spelling
@@ -149,6 +163,8 @@ class Workload:
                      "page_size"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.state_snapshots is not None and self.state_snapshots < 0:
+            raise PlanError(f"state_snapshots must be at least 0 (0: none), got {self.state_snapshots}")
         if not 0 <= self.reserve < 1:
             raise PlanError(f"reserve must be in [0, 1), got {self.reserve}")
         if self.prefill_chunk & (self.prefill_chunk - 1):
@@ -156,6 +172,11 @@ class Workload:
                             f"chunks are; use {1 << (self.prefill_chunk.bit_length() - 1)}")
         if self.dtype not in DTYPES:
             raise PlanError(f"dtype {self.dtype!r} is not planned; use one of {', '.join(DTYPES)}")
+
+    def snapshot_rows(self, rows: int) -> int:
+        """Prefix-cache snapshot rows of a replica serving ``rows`` rows at once (its slots), as
+        ``ServingConfig.resolve`` sets them for a model with per-sequence states."""
+        return SNAPSHOTS_PER_SLOT * rows if self.state_snapshots is None else self.state_snapshots
 
     @property
     def usable(self) -> int:
@@ -198,6 +219,10 @@ class Footprint(Protocol):
     def storage_options(self) -> dict[str, tuple[str, ...]]:
         """The spellings ``quantize`` and ``kv_cache`` accept (for advice)."""
 
+    def page_size(self, work: Workload) -> int:
+        """Positions a KV page covers as the serving engine would page this model (``work.page_size``
+        or a size the model needs instead): the page the cache and steps are planned with."""
+
     def refusal(self, work: Workload, axes: Mapping[str, int]) -> str | None:
         """The engine's reason for refusing this mesh with ``work``'s options (None: it runs)."""
 
@@ -207,7 +232,8 @@ class Footprint(Protocol):
 
     def cache(self, work: Workload, axes: Mapping[str, int]) -> list[Tensor]:
         """KV (and scale) tensors holding ``work.batch`` rows of ``work.context`` positions as the
-        serving engine holds them on a mesh of these axis sizes (each data replica its own pool)."""
+        serving engine holds them on a mesh of these axis sizes (each data replica its own pool),
+        and the prefix cache's state snapshots (``Component.STATE_SNAPSHOTS``) where it keeps any."""
 
     def activations(self, work: Workload, axes: Mapping[str, int]) -> dict[str, list[Stage]]:
         """Transient buffers stage by stage, per step (``decode``, ``prefill``)."""
@@ -408,6 +434,7 @@ class Plan:
     candidates: tuple[MeshPlan, ...]
     forced: bool  # the mesh was given, not chosen
     advice: tuple[str, ...]
+    page_size: int  # positions a KV page covers, as planned (``Footprint.page_size``)
 
     @property
     def fits(self) -> bool:
@@ -423,7 +450,8 @@ class Plan:
                 "devices": w.devices, "device_memory_bytes": w.device_memory, "usable_bytes": w.usable,
                 "reserve": w.reserve, "quantize": w.quantize, "kv_cache": w.kv_cache, "dtype": w.dtype,
                 "kernels": w.kernels, "batch": w.batch, "context": w.context, "prefill_chunk": w.prefill_chunk,
-                "devices_per_host": w.devices_per_host, "page_size": w.page_size,
+                "devices_per_host": w.devices_per_host, "page_size": self.page_size,
+                "state_snapshots": w.state_snapshots,
             },
             "fits": self.fits, "rule": "given by --mesh" if self.forced else RULE,
             "recommended": self.recommended.to_json(),
@@ -453,7 +481,8 @@ def plan(model: Footprint, work: Workload, mesh: Mapping[str, int] | None = None
     candidates.sort(key=_preference, reverse=True)
     best = candidates[0]
     advice = () if best.fits else tuple(_advice(model, work, mesh))
-    return Plan(model.name, model.parameters, work, best, tuple(candidates), mesh is not None, advice)
+    return Plan(model.name, model.parameters, work, best, tuple(candidates), mesh is not None, advice,
+                model.page_size(work))
 
 
 def _fits_somewhere(model: Footprint, work: Workload, mesh: Mapping[str, int] | None) -> bool:

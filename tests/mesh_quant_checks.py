@@ -24,8 +24,8 @@ from dayzero.model.parallel import Parallel
 from dayzero.model.quant import QuantConfig, QuantError, QuantizedArray, WeightQuant, describe_weights
 from dayzero.model.transformer import forward
 from dayzero.model.weights import (
-    Init, abstract_weights, aligned_weights, axis_sizes, float_specs, leaf_path, map_specs, mesh_aligned_specs,
-    named_leaves, quantize_weights,
+    Init, abstract_weights, aligned_weights, axis_sizes, float_specs, init_weights, leaf_path, map_specs,
+    mesh_aligned_specs, named_leaves, quantize_weights,
 )
 from dayzero.sharding.placement import placement_for
 from tests.mesh_checks import logits_and_router_gap, rel_err
@@ -197,7 +197,60 @@ def block_on(config, par):
     return jax.jit(lambda w, x: moe_parallel.moe_expert_parallel(w, config.moe, x, par))
 
 
-PARTS = {"qwen": part_qwen, "latent": part_latent}
+GREEDY_NEW = 6  # tokens generated after each 8-token prompt
+
+
+def greedy(config, weights, prompts: np.ndarray, par=None) -> tuple[list, np.ndarray]:
+    """Greedy continuation of ``prompts`` [B, P] by ``forward`` without a cache (one compiled
+    program: a fixed [B, P + GREEDY_NEW] buffer, read causally at each step's last position),
+    on ``par``'s mesh or one device; returns the new tokens and the first step's logits [B, P, V]."""
+    B, P = prompts.shape
+    buf = np.zeros((B, P + GREEDY_NEW), np.int32)
+    buf[:, :P] = prompts
+    put = (lambda x: x) if par is None else par.placement.replicate
+    run = jax.jit(lambda w, t: forward(w, config, t, all_logits=True, parallel=par)[0])
+    first = None
+    for pos in range(P, P + GREEDY_NEW):
+        logits = np.asarray(run(weights, put(buf)))
+        first = logits[:, :P] if first is None else first
+        buf[:, pos] = logits[:, pos - 1].argmax(-1)
+    return buf[:, P:].tolist(), first
+
+
+def part_gpt_oss_mxfp4() -> dict:
+    """gpt-oss (tests/mesh_checks.py's tiny config: sinks, biases, clamped SwiGLU, 8 experts of
+    width 32) with its routed experts MXFP4 (e2m1 values, one e8m0 scale per 32 inputs) on
+    tensor=2 x expert=4, laid out as the engine lays them (``on_mesh``), against one device:
+    greedy tokens, the first step's logits, and where the MXFP4 leaves lie. ``engine``:
+    ``Engine.generate`` on that mesh against one device's, or the one-line error it raises."""
+    from dayzero.engine.generate import Engine
+    from tests.mesh_checks import compare, generation, gpt_oss_config, gpt_oss_logits_and_gap
+
+    config = gpt_oss_config()
+    quant = QuantConfig(WeightQuant.MXFP4)
+    keys = iter(jax.random.split(jax.random.key(7), 64))
+    weights = init_weights(abstract_weights(config), next(keys), scale=0.1)
+    # Random norms, biases and sinks (constants would hide a bias or sink split the wrong way).
+    weights = jax.tree.map(lambda w: w + 0.1 * jax.random.normal(next(keys), w.shape, w.dtype), weights)
+    weights = jax.tree.map(np.asarray, quantize_weights(weights, abstract_weights(config, quant)))
+    prompts = np.asarray(jax.random.randint(jax.random.key(1), (2, 8), 0, config.vocab_size))
+    tokens, ref = greedy(config, weights, prompts)
+    _, gap = gpt_oss_logits_and_gap(config, weights, prompts)
+    sharded, _, par = on_mesh(config, quant, weights, MESHES["tp2ep4"])
+    mesh_tokens, logits = greedy(config, sharded, prompts, par)
+    out = {"stored": describe_weights(weights), "router_gap": gap, "max_logit": float(np.abs(ref).max()),
+           "tokens": tokens, "mesh_tokens": mesh_tokens, "err": rel_err(logits, ref), "blocks": blocks(sharded),
+           "layout": layout(sharded, ["layers/0/mlp/gate", "layers/0/mlp/down"]),
+           "dtypes": [str(x.dtype) for x in (sharded.layers[0].mlp.down.values, sharded.layers[0].mlp.down.scale)]}
+    try:
+        out["engine"] = compare(generation(Engine(config, weights)),
+                                generation(Engine(config, weights, placement=par.placement)))
+    except ValueError as e:  # see test_mesh_quant.test_mxfp4_engine_on_a_mesh
+        out["engine"] = {"error": str(e).splitlines()[0]}
+    return out
+
+
+PARTS = {"qwen": part_qwen, "latent": part_latent, "gpt_oss_mxfp4": part_gpt_oss_mxfp4}
 
 if __name__ == "__main__":
     print(json.dumps(PARTS[sys.argv[1]](*sys.argv[2:])))

@@ -5,8 +5,10 @@ tests/test_plan_validation.py (``python -m tests.plan_checks PART [ARGS]``, star
 - ``placed [full]``: per-device bytes of the weights the engine places and of the serving
   engine's KV page pools (reduced models) against the planner, for every model on three meshes
   with and without quantization (``full``: every storage scheme on four meshes), and of a tiny
-  DeepSeek-V4's weights, its serving slot cache (one device) and the cache ``Engine.generate``
-  allocates;
+  DeepSeek-V4's weights, its serving pool (entry pages, and rings and compressor states per
+  slot) and the cache ``Engine.generate`` allocates; of a tiny Qwen3-Next (a linear-attention
+  hybrid: attention pages and linear states per slot); for both, the prefix cache's state
+  snapshot rows (``PagedSteps.snapshots``);
   each shard counted at the bytes per element measured for its dtype (4-bit: half a byte);
 - ``recommend MODEL OPTIONS [all]``: load the mesh the planner recommends (``all``: every mesh
   it recommends as the device memory shrinks) and generate 2 tokens;
@@ -23,21 +25,24 @@ import subprocess
 import sys
 
 from dayzero.sharding.distributed import parse_mesh
-from dayzero.tools.plan_measure import (MODELS, compare_placed, full_config, host_weights, recommended_meshes,
-                                        reduced, run_recommendation)
+from dayzero.tools.plan_measure import (MODELS, TINY_HYBRID, compare_placed, full_config, host_weights,
+                                        recommended_meshes, reduced, run_recommendation)
 
 MOE_MESHES = ("tensor=8", "tensor=4,expert=2", "data=2,tensor=4")
 DENSE_MESHES = ("tensor=8", "data=2,tensor=4", "data=4,tensor=2")
 OPTIONS = ("none/none", "fp8-block/fp8")
 FULL_OPTIONS = ("none/none", "fp8-block/fp8", "int8/int8", "fp8/none", "int4/none")
 # The tiny DeepSeek-V4 (tests/v4_helpers.TINY: 4 heads in 2 output groups, 8 experts), 256
-# positions: on one device the serving slot cache and Engine.generate's cache, on a mesh (where the
-# serving engine does not run V4 yet) Engine.generate's; tensor at most 2 (it must divide the
-# output groups: mesh_check.compressed_split_refusal). By default one device and two meshes, with
-# both 4-bit schemes (int4 and MXFP4 experts), fp8 blocks and both KV formats.
+# positions (16 pages of 16): the serving engine's pool and Engine.generate's cache; tensor at most
+# 2 (it must divide the output groups: mesh_check.compressed_split_refusal). By default one device
+# and two meshes, with both 4-bit schemes (int4 and MXFP4 experts), fp8 blocks and both KV formats.
 V4 = "deepseek-v4-tiny"
 V4_ROWS = (("tensor=1", "fp8-block/int8"), ("data=2,tensor=2", "mxfp4/fp8"), ("tensor=2,expert=2", "int4/int8"))
 V4_MESHES = ("tensor=1", "tensor=2", "tensor=2,expert=2", "data=2,tensor=2", "expert=4")
+# The tiny Qwen3-Next (plan_measure.TINY_HYBRID): its attention pages, its linear states per slot
+# (value and key heads over tensor) and its state snapshots, 4 rows of 256 positions.
+HYBRID = "qwen3-next-tiny"
+HYBRID_ROWS = (("tensor=2", "none/none"), ("data=2,tensor=2", "int8/int8"), ("tensor=2,expert=2", "none/fp8"))
 
 
 def v4_config():
@@ -46,6 +51,13 @@ def v4_config():
     from tests.v4_helpers import tiny_hf_config
 
     return parse_hf_config(tiny_hf_config().to_dict())
+
+
+def hybrid_config():
+    """The tiny Qwen3-Next, as dayzero parses it."""
+    from dayzero.model.hf_config import parse_hf_config
+
+    return parse_hf_config(TINY_HYBRID)
 
 
 def part_placed(scope: str = "default") -> dict:
@@ -65,6 +77,9 @@ def part_placed(scope: str = "default") -> dict:
     for mesh, option in pairs:
         quantize, kv = option.split("/")
         rows.append(compare_placed(V4, config, parse_mesh(mesh), quantize, kv))
+    for mesh, option in HYBRID_ROWS:
+        quantize, kv = option.split("/")
+        rows.append(compare_placed(HYBRID, hybrid_config(), parse_mesh(mesh), quantize, kv))
     return {"rows": rows}
 
 

@@ -55,7 +55,7 @@ def sentencepiece_vocab() -> tuple[list[str], list[float], list[int]]:
 
 # The llama.cpp architecture of each HF model_type the tests export.
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3moe",
-              "minimax_m2": "minimax-m2"}
+              "minimax_m2": "minimax-m2", "qwen2_moe": "qwen2moe"}
 Q8 = {"blk.0.ffn_up.weight": gguf.GGMLQuantizationType.Q8_0}  # one quantized tensor by default
 
 
@@ -78,6 +78,8 @@ def gguf_tensors(model) -> dict[str, np.ndarray]:
             out[f"blk.{layer}.ffn_down_exps.weight"] = value
         elif hf.endswith("mlp.e_score_correction_bias"):
             out[f"blk.{layer}.exp_probs_b.bias"] = value
+        elif hf.endswith("mlp.shared_expert_gate.weight"):  # [1, D], squeezed as llama.cpp does
+            out[f"blk.{layer}.ffn_gate_inp_shexp.weight"] = value[0]
         elif not (hf == "lm_head.weight" and c.tie_word_embeddings):
             base, suffix = hf.rsplit(".", 1)
             out[f"{names.get_name(base)}.{suffix}"] = value
@@ -103,10 +105,12 @@ def add_gguf_hparams(w: gguf.GGUFWriter, c) -> None:
     if c.model_type in ("qwen3", "qwen3_moe", "minimax_m2"):  # configs that state head_dim
         w.add_key_length(c.head_dim)
         w.add_value_length(c.head_dim)
-    if c.model_type == "qwen3_moe":
+    if c.model_type in ("qwen3_moe", "qwen2_moe"):
         w.add_expert_count(c.num_experts)
         w.add_expert_used_count(c.num_experts_per_tok)
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if c.model_type == "qwen2_moe":
+        w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     if c.model_type == "minimax_m2":
         w.add_rope_dimension_count(c.rotary_dim)
         w.add_expert_count(c.num_local_experts)
@@ -141,7 +145,7 @@ def add_gguf_tokenizer(w: gguf.GGUFWriter, pre: str) -> None:
 
 def write_tiny_gguf(path: Path, model, pre: str = "gpt-2", quantize: dict | None = Q8,
                     split_max_tensors: int = 0) -> Path:
-    """A GGUF of ``model`` (llama, qwen2, qwen3, qwen3_moe or minimax_m2) written the way
+    """A GGUF of ``model`` (llama, qwen2, qwen3, qwen3_moe, qwen2_moe or minimax_m2) written the way
     llama.cpp's converter does, with the tokenizer :func:`add_gguf_tokenizer` writes for ``pre``.
     Tensors named in ``quantize`` are stored in that type (the rest float32); ``split_max_tensors``
     splits the file as gguf-split does (``path`` then names no file: the parts are
@@ -289,8 +293,6 @@ def test_gguf_metadata_to_hf_config():
         gguf_config(**{"llama.attention.sliding_window": 512})
     with pytest.raises(ConvertError, match="'falcon' is not supported; supported: llama, qwen2, qwen3, qwen3moe"):
         gguf_config(**{"general.architecture": "falcon"})
-    with pytest.raises(ConvertError, match="'qwen2moe' is not supported: dayzero has no qwen2_moe"):
-        gguf_config(**{"general.architecture": "qwen2moe"})
     with pytest.raises(ConvertError, match="mixture-of-experts llama"):
         gguf_config(**{"llama.expert_count": 8, "llama.expert_used_count": 2})
     with pytest.raises(ConvertError, match="llama.block_count"):

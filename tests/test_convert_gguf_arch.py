@@ -1,5 +1,5 @@
 """GGUF conversion of every architecture dayzero converts from GGUF (llama, qwen2, qwen3,
-qwen3moe, minimax-m2), checked against transformers loading the same file (``gguf_file=``);
+qwen3moe, qwen2moe, minimax-m2), checked against transformers loading the same file (``gguf_file=``);
 files split by gguf-split; and the quantization types the gguf package dequantizes (k-quants
 included).
 
@@ -30,10 +30,12 @@ Q = gguf.GGMLQuantizationType
 
 def tiny_model(arch: str):
     """A tiny random HF model of ``arch`` with the byte-level test vocabulary, in the shapes
-    transformers' GGUF loader can rebuild: it does not read qwen3's key_length nor qwen3moe's
-    expert_feed_forward_length, so head_dim and the expert width take its defaults (128, 768)."""
+    transformers' GGUF loader can rebuild: it does not read qwen3's key_length nor the MoE
+    architectures' expert_feed_forward_length (nor qwen2moe's expert_shared_feed_forward_length),
+    so head_dim and the expert widths take its defaults (128; 768 for qwen3_moe; 1408 and a
+    5632-wide shared expert for qwen2_moe)."""
     vocab = len(byte_level_vocab()[0])
-    if arch not in ("qwen3_moe", "minimax_m2"):
+    if arch not in ("qwen3_moe", "minimax_m2", "qwen2_moe"):
         return small_hf_model(arch, vocab_size=vocab, **({"head_dim": 128} if arch == "qwen3" else {}))
     common = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=vocab, max_position_embeddings=1024, num_experts_per_tok=2,
@@ -41,6 +43,9 @@ def tiny_model(arch: str):
     if arch == "qwen3_moe":
         config = transformers.Qwen3MoeConfig(**common, intermediate_size=128, head_dim=128, num_experts=4,
                                              moe_intermediate_size=768, norm_topk_prob=True)
+    elif arch == "qwen2_moe":  # HF's GGUF loader: norm_topk_prob False, as llama.cpp's qwen2moe
+        config = transformers.Qwen2MoeConfig(**common, intermediate_size=128, num_experts=4,
+                                             moe_intermediate_size=1408, shared_expert_intermediate_size=5632)
     else:  # half of each head rotated, experts 64 wide (a multiple of the Q4_0/Q5_1 block)
         config = transformers.MiniMaxM2Config(**common, intermediate_size=64, head_dim=32, rotary_dim=16,
                                               num_local_experts=4)
@@ -54,7 +59,7 @@ def tiny_model(arch: str):
 
 # Stored quantized: Q8_0 in the dense models, Q4_0 and Q5_1 expert stacks in the MoE ones.
 QUANTIZED = {arch: {"blk.0.ffn_gate_exps.weight": Q.Q4_0, "blk.0.ffn_down_exps.weight": Q.Q5_1}
-             for arch in ("qwen3_moe", "minimax_m2")}
+             for arch in ("qwen3_moe", "minimax_m2", "qwen2_moe")}
 
 
 def check_parity(tmp_path, arch: str) -> None:
@@ -79,10 +84,27 @@ def check_parity(tmp_path, arch: str) -> None:
 # qwen3's attention (per-head q/k norms, key_length) runs in qwen3_moe too, so the dense qwen3,
 # llama (also checked weight by weight in test_convert_gguf.py) and minimax_m2 (its metadata
 # translation is checked there too) are slow, to keep the default suite short.
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe"] + [pytest.param(a, marks=pytest.mark.slow)
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3_moe", "qwen2_moe"] + [pytest.param(a, marks=pytest.mark.slow)
                                                            for a in ("qwen3", "llama", "minimax_m2")])
 def test_gguf_parity_with_transformers(tmp_path, arch):
     check_parity(tmp_path, arch)
+
+
+def test_gguf_qwen2moe_metadata_to_hf_config():
+    """Expert widths: the keys, else llama.cpp's fallbacks (n_ff / n_expert_used, and n_ff for the
+    shared expert), as in Qwen1.5-MoE files written before the keys existed; never renormalised."""
+    from dayzero.model.hf_config import parse_hf_config
+    from tests.test_convert_gguf import gguf_config
+
+    experts = {"qwen2moe.expert_count": 8, "qwen2moe.expert_used_count": 4, "qwen2moe.rope.dimension_count": None}
+    c = parse_hf_config(gguf_config("qwen2moe", **experts))
+    assert (c.moe.intermediate_size, c.moe.shared_width, c.intermediate_size) == (32, 128, 128)
+    assert c.moe.shared_gate and not c.moe.renormalize and all(c.moe.layers) and c.qkv_bias
+    widths = {"qwen2moe.expert_feed_forward_length": 48, "qwen2moe.expert_shared_feed_forward_length": 96}
+    c = parse_hf_config(gguf_config("qwen2moe", **experts, **widths))
+    assert (c.moe.intermediate_size, c.moe.shared_width) == (48, 96)
+    with pytest.raises(ConvertError, match="qwen2moe routes with softmax"):
+        gguf_config("qwen2moe", **experts, **{"qwen2moe.expert_gating_func": 2})
 
 
 # --- split files ------------------------------------------------------------------------------

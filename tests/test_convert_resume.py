@@ -179,15 +179,30 @@ def test_one_and_many_threads_give_the_same_checkpoint(tmp_path, source, referen
     assert_same_checkpoint(dst, reference)  # the reference was converted with one thread
 
 
-def test_read_ahead_holds_at_most_pool_size_leaves_beyond_the_group():
-    started, hashed = [], []
-    items = [(f"g{i}", (i, j)) for i in range(3) for j in range(5)]
+def _drain(reads: ReadAhead, n: int) -> list:
+    """Take ``n`` results in order, releasing each at once (as written)."""
+    out = []
+    for _ in range(n):
+        index, result = reads.take(lambda: None)
+        out.append(result)
+        reads.release(index)
+    return out
+
+
+def test_read_ahead_keeps_its_byte_budget_and_hashes_each_file_once():
+    hashed = []
+    items = list(range(12))
     files = [Path("a"), Path("b")]
-    with ThreadPoolExecutor(2) as pool:
-        reads = ReadAhead(pool, 2, items, lambda item: started.append(item) or item,
-                          lambda item: [files[item[0] % 2]], files, lambda f: hashed.append(f) or f.name)
-        for i in range(3):
-            assert reads.group(f"g{i}") == [(i, j) for j in range(5)]
-            time.sleep(0.05)  # let the pool start whatever it was given
-            assert len([item for item in started if item[0] > i]) <= 2
+    cost = {i: 10 for i in items}
+    with ThreadPoolExecutor(8) as pool:
+        reads = ReadAhead(pool, 8, items, lambda i: time.sleep(0.01) or i, lambda i: [files[i % 2]], files,
+                          lambda f: hashed.append(f) or f.name, cost=cost.get, budget=30)
+        assert _drain(reads, 12) == items  # in order
+        assert reads.peak_reserved == 30  # 3 pieces of 10 at a time, though 8 threads were free
         assert reads.file_hashes() == ["a", "b"] and sorted(hashed) == files  # each file hashed once
+        cost[5] = 100  # larger than the budget: it runs, alone
+        reads = ReadAhead(pool, 8, items, lambda i: i, None, files, None, cost=cost.get, budget=30)
+        assert _drain(reads, 12) == items and reads.peak_reserved == 100
+        # Without a byte budget, the count: 2 threads being made + 2 results being written.
+        reads = ReadAhead(pool, 2, items, lambda i: i, None, files, None, cost=lambda i: 1)
+        assert _drain(reads, 12) == items and reads.peak_reserved == 4

@@ -193,10 +193,12 @@ def test_partial_rope_matches_hf(factor):
                                               cos, sin)
     our_cos, our_sin = rope_cos_sin(ours.rope, ours.head_dim, ours.max_position_embeddings, jnp.asarray(positions))
     assert our_cos.shape[-1] == int(HEAD_DIM * factor)
-    np.testing.assert_allclose(np.asarray(our_cos), cos.numpy(), atol=1e-5)
+    # fp32 angles up to ~900 rad carry ~6e-5 of rounding (one ulp there); HF's torch product and
+    # XLA's round differently (6.1e-5 measured in a fresh install): 1e-4, far below a wrong table.
+    np.testing.assert_allclose(np.asarray(our_cos), cos.numpy(), atol=1e-4)
     for x, ref in ((q, ref_q), (k, ref_k)):
         out = np.asarray(apply_rope(jnp.asarray(x), our_cos, our_sin))
-        np.testing.assert_allclose(out, ref.transpose(1, 2).numpy(), atol=1e-5)
+        np.testing.assert_allclose(out, ref.transpose(1, 2).numpy(), atol=3e-4)
         np.testing.assert_array_equal(out[..., int(HEAD_DIM * factor):], x[..., int(HEAD_DIM * factor):])
 
 

@@ -44,9 +44,9 @@ def _meta_model(config):
 
 
 def _hf_text_count(model) -> int:
-    """Parameters of the text model (the vision tower left out, issue #17), plus the routers'
+    """Parameters of the model (a multimodal file's vision tower included), plus the routers'
     selection biases, which HF keeps as buffers."""
-    params = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.visual."))
+    params = sum(p.numel() for p in model.parameters())
     return params + sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
 
 
@@ -142,8 +142,7 @@ def test_presets_parse_as_hf_reads_them(name):
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_parameter_counts_are_hfs(name):
     """dayzero's weight tree counts HF's parameters at the preset (meta device; Kimi's selection
-    biases are HF buffers; Qwen3.5's vision tower is left out, issue #17), and the published
-    totals hold to 3% (Qwen3.5: with the vision tower)."""
+    biases are HF buffers; Qwen3.5's vision tower included), and the published totals hold to 3%."""
     cls, published = PRESETS[name]
     model = _meta_model(cls.from_dict(preset_hf_config(name)))
     ours = parameter_count(abstract_weights(load_preset(name)))
@@ -174,14 +173,20 @@ def test_kimi_aliases_and_legacy_keys_read_as_hf_reads_them():
     assert parse_hf_config({**raw, "head_dim": 128}).head_dim == 64
 
 
-def test_qwen35_mrope_settings_change_nothing_for_text():
-    """M-RoPE's sections and interleaving are read and refused for nothing: a text token has the
-    same position on all three axes (issue #17 will need them)."""
+def test_qwen35_mrope_settings():
+    """M-RoPE's sections are kept in the RoPE config (HF's [11, 11, 10] where the file leaves them
+    out); HF always interleaves, so mrope_interleaved is accepted only true (tests/test_vision_convert.py
+    checks that text-only logits are HF's)."""
     raw = preset_hf_config("qwen3.5-397b-a17b")
     other = copy.deepcopy(raw)
-    other["text_config"]["rope_parameters"].update(mrope_section=[16, 8, 8], mrope_interleaved=False)
+    other["text_config"]["rope_parameters"].update(mrope_section=[16, 8, 8])
+    assert parse_hf_config(other).rope.mrope_section == (16, 8, 8)
     del raw["text_config"]["rope_parameters"]["mrope_section"]
-    assert parse_hf_config(other) == parse_hf_config(raw) == load_preset("qwen3.5-397b-a17b")
+    assert parse_hf_config(raw) == load_preset("qwen3.5-397b-a17b")
+    assert load_preset("qwen3.5-397b-a17b").rope.mrope_section == (11, 11, 10)
+    other["text_config"]["rope_parameters"]["mrope_interleaved"] = False
+    with pytest.raises(ConfigError, match="mrope_interleaved"):
+        parse_hf_config(other)
 
 
 def test_multimodal_top_level_repeats_and_token_ids():
@@ -324,7 +329,8 @@ def test_converted_leaves_are_hfs_parameters(name, tmp_path):
     factory, save, edit, expected = CASES[name]
     model = L.random_model(factory())
     _, got = _convert(model, tmp_path, save, edit)
-    _assert_leaves(got, expected(model))
+    # A multimodal file's vision tower: tests/test_vision_convert.py (against HF's tower outputs).
+    _assert_leaves({k: v for k, v in got.items() if not k.startswith("vision/")}, expected(model))
 
 
 @pytest.fixture(scope="module")
@@ -416,8 +422,8 @@ def test_fp8_qwen3_next_converts_to_the_dequantized_weights(tmp_path):
 
 
 def test_checkpoint_problems_are_named(tmp_path):
-    """A missing tensor and an unknown one are named (the vision tower and the MTP module are
-    skipped by name, anything else beside them is not)."""
+    """A missing tensor and an unknown one are named (the MTP module is skipped by name, anything
+    else beside it is not)."""
     model = L.random_model(L.qwen35_moe_config())
     model.save_pretrained(tmp_path / "hf")
     tensors = load_file(tmp_path / "hf" / "model.safetensors")

@@ -16,8 +16,10 @@ and a 16-token chunk the token-by-token form. Served with 2 slots for 6 requests
 - prompts of 37 and 50 tokens prefill in two chunks (32 + 5, 32 + 18), the second reading the
   pages and the state the first wrote;
 - greedy and seeded sampled rows decode in batches of 1 and 2;
-- a repeated prompt (rows 0 and 4) is computed again, not taken from a prefix cache (which would
-  restore its pages but not the linear layers' states).
+- a repeated prompt (rows 4 and 5 repeat row 0's) reuses the 2 cached pages with the linear
+  layers' states snapshotted at position 32 restored into its slot, and prefills its last 5
+  tokens only; a chunk that would end past a page boundary mid-page stops at the boundary (the
+  21- and 50-token prompts: 16 + 5 and 32 + 16 + 2), so that the states there are snapshotted.
 
 Preemption is forced by hand (two running requests readmitted into each other's slots) and
 happens by itself on a pool of 6 pages. int8 KV pages are served in the chunks generate prefills
@@ -69,7 +71,7 @@ GREEDY = SamplingParams()
 PLAIN, FILTERED = SamplingParams(temperature=1.0, seed=5), SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=11)
 PARAMS = [GREEDY, PLAIN, GREEDY, FILTERED, GREEDY, SamplingParams(temperature=1.0, seed=7)]
 # The prefill chunks (real tokens) each prompt length takes under SERVING.
-CHUNKS = {37: [32, 5], 5: [5], 21: [21], 50: [32, 18]}
+CHUNKS = {37: [32, 5], 5: [5], 21: [16, 5], 50: [32, 16, 2]}
 
 
 def _random_engine(hf_config, kv_cache: str = "none", kernels: str | None = None) -> Engine:
@@ -90,13 +92,16 @@ def _assert_same(served, reference, rows=None):
 # ---- default suite: configuration, refusals, the pool ------------------------------------------
 
 
-def test_resolved_config_turns_the_prefix_cache_off():
-    """A hybrid is paged with its prefix cache off whatever asked (a hit would restore pages but
-    not the linear layers' states); the same model without its linear layers keeps it."""
+def test_resolved_config_keeps_state_snapshots():
+    """A hybrid's prefix cache keeps 4 state snapshots per slot by default; with none it is off
+    (a hit would restore pages but not the linear layers' states); the same model without its
+    linear layers has a prefix cache and no snapshots."""
     config = parse_hf_config(L.qwen_next_config().to_dict())
-    resolved = ServingConfig(prefix_cache=True, max_context=64).resolve(config)
-    assert not resolved.prefix_cache and not resolved.slot_cache and resolved.num_pages is not None
-    assert ServingConfig(prefix_cache=True, max_context=64).resolve(attention_config(config)).prefix_cache
+    resolved = ServingConfig(slots=3, max_context=64).resolve(config)
+    assert resolved.prefix_cache and resolved.state_snapshots == 12 and resolved.num_pages is not None
+    assert not ServingConfig(max_context=64, state_snapshots=0).resolve(config).prefix_cache
+    plain = ServingConfig(max_context=64).resolve(attention_config(config))
+    assert plain.prefix_cache and plain.state_snapshots == 0
 
 
 def _state_bytes_by_hand(hf, itemsize: int) -> int:
@@ -138,7 +143,8 @@ def test_state_pool_bytes_and_dtypes(model, kv_cache):
     states = 3 * linear_layers * _state_bytes_by_hand(hf, 4)
     assert len(pool.states) == linear_layers
     assert sum(x.nbytes for x in jax.tree.leaves(pool.states)) == states
-    assert server.kv_bytes == states + _page_bytes_by_hand(hf, kv_cache, 7, 16)
+    # The prefix cache's snapshots: 4 rows of a slot's states per slot.
+    assert server.kv_bytes == 5 * states + _page_bytes_by_hand(hf, kv_cache, 7, 16)
     for state in pool.states:
         assert state.recurrent.dtype == jnp.float32 and state.recurrent.shape[0] == 3
         assert {state.conv_q.dtype, state.conv_k.dtype, state.conv_v.dtype} == {engine.weights.embed.dtype}
@@ -216,7 +222,8 @@ def test_served_small_hybrid_matches_generate():
     server = ServingEngine(engine, config)
     served = server.run(prompts, max_new_tokens=4, sampling=params, ignore_eos=True, logprobs=True)
     _assert_same(served, reference)
-    assert server.stats.prefill_chunks == 2 and server.stats.preemptions == 0
+    # 3 chunks: the 21-token prompt's first stops at its page boundary (16), a snapshot point.
+    assert server.stats.prefill_chunks == 3 and server.stats.preemptions == 0
 
 
 # ---- slow: the converted model served ------------------------------------------------------------
@@ -251,9 +258,10 @@ def server(qwen):
 @pytest.mark.slow
 def test_served_requests_match_generate(server, qwen):
     """Six requests over two slots, chunked prefill across the delta-rule chunks, greedy and
-    seeded sampled rows, a repeated prompt: every request's tokens and logprobs are
-    Engine.generate's; every step shape ran and nothing compiled after the warm-up."""
-    assert not server.config.prefix_cache
+    seeded sampled rows, a repeated prompt restored from the prefix cache and its state snapshot
+    (twice): every request's tokens and logprobs are Engine.generate's (a wrong or missing
+    restore changes them); nothing compiled after the warm-up."""
+    assert server.config.prefix_cache
     with CompileCounter() as counter:
         served = server.run(PROMPTS, max_new_tokens=NEW, sampling=PARAMS, ignore_eos=True, logprobs=True)
     assert counter.count == 0
@@ -261,8 +269,10 @@ def test_served_requests_match_generate(server, qwen):
     assert served[4].token_ids == served[0].token_ids != served[5].token_ids  # repeated; the sampled row samples
     assert len({t for out in served for t in out.token_ids}) > 5  # not one token over and over
     stats = server.stats
-    assert stats.prefill_chunks == sum(len(CHUNKS[n]) for n in LENGTHS) and stats.preemptions == 0
-    assert stats.cached_tokens == 0
+    restored = [4, 5]  # their first 32 positions from the prefix cache: one chunk of 5 each
+    chunks = sum(len(CHUNKS[n]) for row, n in enumerate(LENGTHS) if row not in restored) + len(restored)
+    assert stats.prefill_chunks == chunks and stats.preemptions == 0
+    assert stats.cached_tokens == 64 and stats.snapshots_restored == 2
     assert server.steps.shapes_run == {(1, 16, None), (1, 32, None), (1, 16, 4), (1, 32, 4), (1, 1, 4), (2, 1, 4)}
 
 
@@ -270,7 +280,10 @@ def test_served_requests_match_generate(server, qwen):
 def test_preempted_requests_recompute_into_each_others_slots(server, qwen):
     """Two running requests preempted by hand, one decoding and one between its two prefill
     chunks, are readmitted into each other's slots, holding the other's states, and recompute
-    there (prompt + generated tokens, states included): the same tokens as Engine.generate's."""
+    there (prompt + generated tokens, states included): the same tokens as Engine.generate's.
+    Without a prefix cache (the requests would be restored from the one the test above filled),
+    on the same compiled steps."""
+    server = ServingEngine(qwen.engine, dataclasses.replace(SERVING, prefix_cache=False))
     rows = [0, 3, 1]
     before = server.stats.preemptions
     ids = [server.submit(PROMPTS[r], max_new_tokens=NEW, sampling=PARAMS[r], ignore_eos=True, logprobs=True)
@@ -318,7 +331,8 @@ def test_int8_kv_served_matches_generate(qwen, monkeypatch):
     preempted request's recomputation would not, which is why preemption is checked unquantized);
     the int8 pages do change the logprobs (against unquantized generate)."""
     engine = Engine(qwen.config, qwen.weights, kv_cache="int8")
-    server = ServingEngine(engine, dataclasses.replace(SERVING, min_chunk=32))
+    # No prefix cache: its chunks stop at page boundaries, and a restored request skips a chunk.
+    server = ServingEngine(engine, dataclasses.replace(SERVING, min_chunk=32, prefix_cache=False))
     assert all(s.recurrent.dtype == jnp.float32 for s in server.steps.pool.states)
     assert server.steps.pool.attn.k_pages[0].values.dtype == jnp.int8
     served = server.run(PROMPTS, max_new_tokens=NEW, sampling=PARAMS, ignore_eos=True, logprobs=True)

@@ -16,6 +16,11 @@ Unit tests here (one device); the mesh checks run in two subprocesses with 8 fak
 - ``latent``: a DeepSeek-V3-like model (MLA, a dense layer of width 80, 8 routed experts of
   width 64 and a shared one) in fp8 with 32 x 32 blocks on the same meshes and tensor=8, where
   the shards of 16 and 8 (20 and 10 for the dense layer, 2.5 blocks wide) cut through blocks.
+
+With ``-m slow`` (~40 s here, one more subprocess): ``gpt_oss_mxfp4``, gpt-oss with MXFP4 experts
+(e2m1 values, one e8m0 scale per 32 inputs) on tensor=2 x expert=4: greedy tokens as on one
+device, and ``Engine.generate`` there (which fails today on XLA:CPU, see
+:func:`test_mxfp4_engine_on_a_mesh`).
 """
 
 from __future__ import annotations
@@ -300,3 +305,38 @@ def test_a_scale_split_against_its_values_is_refused_and_would_be_wrong(meshes):
     assert block["guard"] and "gate (8, 64, 64)" in block["guard"] and "(32, 16)" in block["guard"]
     assert "tensor=1" in block["guard"] and "\n" not in block["guard"]
     assert block["wrong_err"] > 1e-2
+
+
+# ---- MXFP4 experts (gpt-oss) on tensor=2 x expert=4 ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_mxfp4():
+    return result_of(start_part("gpt_oss_mxfp4", module="tests.mesh_quant_checks", fast_compile=True))
+
+
+@pytest.mark.slow  # ~40 s here: four forward compiles and the engine's, in a subprocess
+def test_mxfp4_experts_on_a_mesh_generate_as_one_device(gpt_oss_mxfp4):
+    """gpt-oss's MXFP4 experts laid out as the engine lays them on tensor=2 x expert=4: the same
+    greedy tokens and first-step logits as one device. Each expert's width 32 is split over
+    tensor (16 per device), so down's inputs are cut inside a 32-input MXFP4 block: its scales
+    are re-blocked to 16 inputs (exactly: each half-block keeps the block's power of two) and
+    split over tensor with the values; gate/up keep their blocks (inputs whole, outputs split)."""
+    out = gpt_oss_mxfp4
+    assert out["stored"] == "mxfp4/32x1" and out["dtypes"] == ["float4_e2m1fn", "float8_e8m0fnu"]
+    assert out["router_gap"] > MIN_ROUTER_GAP and out["max_logit"] > 1
+    assert out["mesh_tokens"] == out["tokens"]
+    assert out["err"] < FP32_ROUNDING
+    assert out["blocks"]["layers/0/mlp/down"] == [16, 1] and out["blocks"]["layers/0/mlp/gate"] == [32, 1]
+    down, gate = out["layout"]["layers/0/mlp/down"], out["layout"]["layers/0/mlp/gate"]
+    assert down["values"] == {"shape": [8, 32, 64], "spec": ["expert", "tensor", "None"]}
+    assert down["scale"] == {"shape": [8, 2, 64], "spec": ["expert", "tensor", "None"]}
+    assert gate["values"]["spec"] == gate["scale"]["spec"] == ["expert", "None", "tensor"]
+
+
+@pytest.mark.slow
+def test_mxfp4_engine_on_a_mesh(gpt_oss_mxfp4):
+    """``Engine.generate`` with MXFP4 experts on tensor=2 x expert=4 equals one device's."""
+    engine = gpt_oss_mxfp4["engine"]
+    assert engine.get("same_tokens"), engine
+    assert engine["logprob_diff"] < 1e-4

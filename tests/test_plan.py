@@ -2,7 +2,9 @@
 cache, both steps' peaks, collectives), the engine's refusals, mesh choice and the CLI.
 
 The planner's activation figures against XLA's compiled steps are checked by the validation
-tools (``dayzero.tools.plan_check``, ``bench/plan_vs_xla.py``) and their tests."""
+tools (``dayzero.tools.plan_check``, ``bench/plan_vs_xla.py``) and their tests; per-sequence
+states (a hybrid's state rows, state snapshots) and DeepSeek-V4's pool and steps by
+tests/test_plan_states.py, which imports this file's models and workloads."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import pytest
 
 from tests.test_cli import _run  # the in-process CLI runner (exit status, stdout, stderr)
 from dayzero.engine.runtime import RunConfigError, check_placement, resolve_run
-from dayzero.model.config import CompressKind, Family, ModelConfig, MoEConfig, RopeConfig
+from dayzero.model.config import Family, ModelConfig, MoEConfig, RopeConfig
 from dayzero.model.footprint import DecodeFootprint, storage
 from dayzero.model.hf_config import load_hf_config, parse_hf_config
 from dayzero.model.presets import PRESETS, load_preset, preset_hf_config
@@ -190,9 +192,11 @@ def test_prefill_chunks_are_shaped_as_the_serving_engine_shapes_them():
     of a context-long prompt, halved until it fits the budget."""
     from dayzero.engine.paged_steps import ServingConfig
 
+    from dayzero.engine.paged_steps import default_page_size
+
     serving, work = ServingConfig(), _work(devices=1, context=131072)
     assert (work.prefill_chunk, work.chunk_budget, work.min_chunk, work.page_size) == (
-        serving.max_chunk, serving.chunk_budget, serving.min_chunk, serving.page_size)
+        serving.max_chunk, serving.chunk_budget, serving.min_chunk, default_page_size(_llama()))
     config = dataclasses.replace(serving, max_context=131072, page_size=1, num_pages=131072)
     last = config.chunk_shape(131072 - 512, 512)  # a full chunk at the end of the context
     assert work.prefill_shapes() == ((512, 4096), (last[0], 131072))
@@ -310,6 +314,9 @@ class _Stub:
 
     def storage_options(self):
         return {"quantize": ("none",), "kv_cache": ("none",)}
+
+    def page_size(self, work):
+        return work.page_size
 
     def refusal(self, work, axes):
         return "refused for the test" if axes["data"] == work.devices else None
@@ -497,119 +504,6 @@ def test_latent_attention_over_a_position_split_cache_matches_one_device():
     assert proc.returncode == 0, proc.stderr[-4000:]
     errors = json.loads(proc.stdout.strip().splitlines()[-1])
     assert set(errors) == {"mla", "dsa", "dsa-scan"} and max(errors.values()) < 1e-5, errors
-
-
-# ---- DeepSeek-V4: its slot cache and steps (model/footprint_v4.py) -------------------------------
-
-
-def _v4() -> ModelConfig:
-    """The V4 tests' tiny model (layers sliding, CSA r=4, HCA r=16, CSA; window 16, H=64, J=32)."""
-    from dayzero.tools.plan_check import TEST_CONFIGS
-
-    return parse_hf_config(TEST_CONFIGS["test-v4"])
-
-
-def test_the_planners_tiny_v4_is_the_v4_tests_tiny_model():
-    """plan_check's copy of tests/v4_helpers.TINY (read from its source: importing the module
-    imports torch, 10 s here)."""
-    import ast
-    from pathlib import Path
-
-    from dayzero.tools.plan_check import TEST_CONFIGS
-
-    tree = ast.parse((Path(__file__).parent / "v4_helpers.py").read_text())
-    (call,) = [n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "TINY"]
-    tiny = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}  # TINY = dict(key=value, ...)
-    assert TEST_CONFIGS["test-v4"] == {**tiny, "model_type": "deepseek_v4"}
-
-
-def _v4_position_split(config, tensor: int) -> int:
-    """How many ways the cache declaration splits V4's entries and index keys by position on
-    ``tensor`` devices: 1 (by row only, as declared today) or ``tensor`` (``latent_seq``)."""
-    from dayzero.model.compressed_cache import cache_specs
-
-    layer = cache_specs(config, 1, 4096).layers[config.compressed.kinds.index(CompressKind.CSA)]
-    assert layer.entries.axes in (("batch", None, None), ("batch", "latent_seq", None)), layer.entries.axes
-    return tensor if layer.entries.axes[1] == "latent_seq" else 1
-
-
-def test_v4_slot_cache_bytes_by_hand():
-    """Tiny V4, 256 positions (CSA: 64 entries, HCA: 16), bf16. Per row: window rings 4 x [16, 64];
-    CSA entries 2 x [64, 64] and index keys 2 x [64, 32], HCA entries [16, 64] (split by position
-    where the cache declares it, ``_v4_position_split``); compressor states: CSA kv and gate
-    [8, 128] and the indexer's [8, 64], twice each, HCA's [16, 64] twice."""
-    footprint = DecodeFootprint(_v4())
-    n = _v4_position_split(footprint.config, 2)
-    states = 2 * (2 * 8 * 128 + 2 * 8 * 64) + 2 * 16 * 64
-    rows = (4 * 16 * 64, (2 * 64 * 64 + 2 * 64 * 32 + 16 * 64) // n, states)  # window, entries, states
-    p = evaluate(footprint, _work(devices=2, batch=2, context=256), {"tensor": 2})
-    assert p.bytes["kv_cache"] == 2 * 2 * sum(rows) and p.bytes["kv_scales"] == 0
-    # int8 rows (window, entries, index keys; the states stay bf16), one fp32 scale per row.
-    q = evaluate(footprint, _work(devices=2, batch=2, context=256, kv_cache="int8"), {"tensor": 2})
-    assert q.bytes["kv_cache"] == 2 * (rows[0] + rows[1] + 2 * rows[2])
-    assert q.bytes["kv_scales"] == 2 * 4 * (4 * 16 + (64 * 2 + 64 * 2 + 16) // n)
-    # data=2: each replica holds its own row, whole.
-    d = evaluate(footprint, _work(devices=2, batch=2, context=256), {"data": 2})
-    assert d.bytes["kv_cache"] == 2 * (4 * 16 * 64 + 2 * 64 * 64 + 2 * 64 * 32 + 16 * 64 + states)
-
-
-@pytest.mark.parametrize("name, kinds", [("deepseek-v4-flash", (2, 21, 20)), ("deepseek-v4-pro", (0, 30, 31))])
-def test_v4_presets_plan_at_a_million_tokens(name, kinds):
-    """The published V4 models plan at 1M positions on tensor=8: the slot cache counted by hand
-    (window 128, H 512, J 128; CSA r=4: 262144 entries and index keys, HCA r=128: 8192 entries,
-    split by position where declared; rings and states whole). The decode step's peak is the
-    reference path's dense reading of every cached CSA entry: its keys [1, 128 + 1 + 262144 + 1,
-    512] beside its indexer's per-head scores; the chunks are the serving engine's: 512 tokens
-    reading no cache, then 16 tokens reading the slot's 1M positions (16 x 1M is within the chunk
-    budget, 32 x 1M is not)."""
-    config = load_preset(name)
-    assert [config.compressed.kinds.count(CompressKind(k)) for k in (
-        "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")] == list(kinds)
-    _, csa, hca = kinds
-    footprint = DecodeFootprint(config, name)
-    work = _work(devices=8, device_memory=141 * 10**9, batch=1, context=1 << 20, quantize="fp8-block")
-    p = evaluate(footprint, work, {"tensor": 8})
-    assert p.runs
-    E4, E128, n = (1 << 20) // 4, (1 << 20) // 128, _v4_position_split(config, 8)
-    per_layer = {"csa": E4 * (512 + 128) // n + 2 * 8 * 1024 + 2 * 8 * 256, "hca": E128 * 512 // n + 2 * 128 * 512}
-    assert p.bytes["kv_cache"] == 2 * config.num_layers * 128 * 512 + 2 * (
-        csa * per_layer["csa"] + hca * per_layer["hca"])
-    # Decode: the keys [1, S_k, 512] bf16 (two copies where gathered from a position split), or one
-    # copy beside the indexer's per-head scores [1, 64, E + 1] fp32 (1/n of them on each device).
-    keys, index = (128 + 1 + E4 + 1) * 512 * 2, 64 * -(-(E4 + 1) // n) * 4
-    dominant = max((2 if n > 1 else 1) * keys, keys + index)
-    assert dominant <= p.activation_peaks["decode"] <= 1.1 * dominant
-    assert [(st.T, st.S) for st in footprint.steps(work, {"tensor": 8})["prefill"]] == [(512, 0), (16, 1 << 20)]
-    assert p.activation_peaks["prefill"] > p.activation_peaks["decode"]
-
-
-def test_v4_chunks_are_shaped_as_the_serving_engine_shapes_them():
-    """footprint_v4.chunk_shapes against ServingConfig.chunk_shape with a slot cache: a prompt's
-    first chunk (no cache), then the chunk after it (reading the slot's row), at several contexts
-    and chunk budgets."""
-    from dayzero.engine.paged_steps import ServingConfig
-    from dayzero.model.footprint_v4 import chunk_shapes
-
-    config = _v4()
-    shapes = []
-    for context, budget in ((4096, 1 << 21), (4096, 1 << 18), (2048, 1 << 19), (1000, 1 << 21), (256, 1 << 21)):
-        serving = ServingConfig(max_context=context, chunk_budget=budget).resolve(config)
-        work = _work(devices=1, context=context, chunk_budget=budget)
-        T, _ = serving.chunk_shape(0, context)
-        expected = [(T, False)] + ([(serving.chunk_shape(T, context - T)[0], True)] if context > T else [])
-        assert list(chunk_shapes(work)) == expected, (context, budget)
-        shapes.append(expected)
-    assert shapes[1] == [(512, False), (64, True)] and shapes[-1] == [(256, False)]
-
-
-def test_cli_plans_deepseek_v4_flash_at_a_million_tokens(capsys):
-    argv = ["plan", "--preset", "deepseek-v4-flash", "--context", 1 << 20, "--devices", 8, "--device-memory",
-            "141GB", "--quantize", "fp8-block"]
-    rc, out, err = _run(argv, capsys)
-    assert rc == 0 and "FITS" in out and "slot cache, one row per sequence" in out, (out, err)
-    rc, out, err = _run(argv + ["--json"], capsys)
-    best = json.loads(out)["recommended"]
-    assert best["bytes_per_device"]["kv_cache"] > 0 and best["bytes_per_device"]["activations"] > 0
 
 
 # ---- 4-bit values ---------------------------------------------------------------------------------

@@ -125,3 +125,15 @@ def test_source_digest_covers_the_package_modules_only():
     names = {str(p.relative_to(step_cache._PACKAGE)) for p in step_cache._package_modules()}
     assert {"model/transformer.py", "engine/step_cache.py", "kernels/flash_attention.py"} <= names
     assert not any(n.startswith(("tests/", ".venv/", "bench/")) for n in names)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int4, jnp.float4_e2m1fn])
+def test_committed_four_bit_arguments_run(tmp_path, dtype):
+    """A step with a committed 4-bit argument (a restored int4 or MXFP4 weight) runs and is not
+    stored: XLA:CPU's ahead-of-time executables refuse such arrays (they report a sub-byte size of
+    0 against the executable's 4), so the cache hands them to jit's own dispatch."""
+    cache = step_cache.StepCache(directory=tmp_path, scope="four_bit")
+    weight = jax.device_put(jnp.ones((4, 8), dtype), jax.devices()[0])
+    step = jax.jit(lambda w, x: x @ w.astype(jnp.float32))
+    out = cache.call(step, ("four_bit", dtype), weight, jnp.ones((2, 4), jnp.float32))
+    assert float(out.sum()) == 2 * 8 * 4 and not list(tmp_path.iterdir())

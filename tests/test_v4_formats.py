@@ -12,12 +12,17 @@ DeepSeek's ``MTPBlock`` (not taken from the converter's name map). Oracles:
 - FP8 / FP4: every value decoded by hand from the formats' definitions (e4m3: sign, 4 exponent
   bits biased 7, 3 mantissa bits, subnormals below; e8m0: 2^(byte - 127); e2m1: sign, 2 exponent
   bits biased 1, 1 mantissa bit, two per byte low nibble first, one scale per 32 inputs); a tiny
-  FP8 + FP4 checkpoint then converts (experts kept MXFP4 as stored, FP8 dequantized) to the
-  leaves of its hand-dequantized float copy, and HF transformers (which dequantizes such a
-  checkpoint on CPU) gives the converted model's logits.
+  FP8 + FP4 checkpoint then converts, by default with both kept as stored (FP8 leaves: the
+  checkpoint's e4m3 bytes and block scales; experts: its e2m1 nibbles and e8m0 bytes, only
+  moved to dayzero's [in, out] layout), to the leaves of its hand-dequantized float copy, and HF
+  transformers (which dequantizes such a checkpoint on CPU) gives the converted model's logits.
+  The forward pass reading both formats gives the logits of the ``--quantize none`` conversion
+  (every weight dequantized at conversion) to fp32 rounding, and not those of the same stored
+  values read with their scales ignored.
 
-Default suite ~15 s of CPU here (one forward compile, five tiny conversions, HF's load of the
-FP8 + FP4 checkpoint); ``Engine.generate`` with the MTP module loaded is under ``-m slow``.
+Default suite ~15 s of CPU here (one forward compile, six tiny conversions, HF's load of the
+FP8 + FP4 checkpoint); the forward pass over the quantized tree (another compile) and
+``Engine.generate`` with the MTP module loaded are under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -409,15 +414,40 @@ def published_pair(sources, tmp_path_factory):
                                                                                          progress=False)
 
 
+@pytest.fixture(scope="module")
+def published_none(published_pair):
+    """The published checkpoint converted with ``--quantize none``: every weight dequantized."""
+    src = published_pair[0]
+    return convert_checkpoint(src, src.parent / "dz-none", quantize="none", progress=False)
+
+
+# The leaves a V4 checkpoint keeps in each stored format (every layer, and the MTP module's block).
+ROUTED = ("mlp/gate", "mlp/up", "mlp/down")
+FP8_LEAVES = ("attn/q_a", "attn/q_b", "attn/kv", "attn/o_a", "attn/o_b", "mlp/shared/gate", "mlp/shared/up",
+              "mlp/shared/down")
+
+
+def _native(manifest: dict, how: str) -> list[str]:
+    return sorted({k.rsplit("/", 1)[0] for k, e in manifest["tensors"].items() if e.get("quantized") == how})
+
+
 def test_published_format_converts_to_its_dequantized_model(published_pair):
-    """By default the FP4 experts stay MXFP4 as stored (their e2m1 codes and e8m0 bytes, only
-    moved to dayzero's [in, out] layout) and the FP8 weights are dequantized exactly: every leaf
-    equals the hand-dequantized copy's, bit for bit."""
+    """By default both formats stay as stored: the FP4 experts MXFP4 (their e2m1 codes and e8m0
+    bytes) and the FP8 weights FP8 (their e4m3 bytes, the ue8m0 block scales as float32), only
+    moved to dayzero's [in, out] layout; nothing is quantized again, the other leaves stay float;
+    every leaf, dequantized, equals the hand-dequantized copy's, bit for bit."""
     src, dst, ref = published_pair
     manifest = json.loads((dst / "manifest.json").read_text())
-    native = sorted(k for k, e in manifest["tensors"].items() if e.get("quantized") == "mxfp4-native")
-    assert [k.rsplit("/", 1)[0] for k in native[::2]] == [
-        f"{p}mlp/{leaf}" for p in ("layers/0/", "layers/1/", "mtp/0/layer/") for leaf in ("down", "gate", "up")]
+    assert manifest["quantization"] == {"weights": "mxfp4+fp8-block", "block": [128, 128]}
+    layers = ("layers/0/", "layers/1/", "mtp/0/layer/")
+    assert _native(manifest, "mxfp4-native") == sorted(p + leaf for p in layers for leaf in ROUTED)
+    assert _native(manifest, "fp8-native") == sorted([p + leaf for p in layers for leaf in FP8_LEAVES]
+                                                     + ["mtp/0/e_proj", "mtp/0/h_proj"])
+    assert {e.get("quantized") for e in manifest["tensors"].values()} == {None, "fp8-native", "mxfp4-native"}
+    dtypes = {(e.get("quantized"), k.rsplit("/", 1)[-1], e["dtype"]) for k, e in manifest["tensors"].items()
+              if e.get("quantized")}
+    assert dtypes == {("fp8-native", "values", "float8_e4m3fn"), ("fp8-native", "scale", "float32"),
+                      ("mxfp4-native", "values", "float4_e2m1fn"), ("mxfp4-native", "scale", "float8_e8m0fnu")}
     config, weights = load_checkpoint(dst)
     _, want = load_checkpoint(ref)
     flat, _ = jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
@@ -433,6 +463,79 @@ def test_published_format_converts_to_its_dequantized_model(published_pair):
     codes = np.stack([packed.view(np.uint8) & 0xF, packed.view(np.uint8) >> 4], -1).reshape(packed.shape[0], -1)
     assert np.array_equal(np.asarray(gate.values[2]).view(np.uint8) & 0xF, codes.T)
     assert np.array_equal(np.asarray(gate.scale[2]).view(np.uint8), scales.view(np.uint8).T)
+    # Layer 1's q_b (wq_b [N*H, Q] = [256, 32]: two 128-row blocks) as stored, transposed to
+    # [Q, N, H]; its two e8m0 block scales as the float32 powers of two they are.
+    q_b = got["layers/1/attn/q_b"]
+    w, scale = reader.get("layers.1.attn.wq_b.weight"), reader.get("layers.1.attn.wq_b.scale")
+    assert q_b.values.dtype == E4M3 and q_b.block == (128, 128) and q_b.scale.shape == (1, 2)
+    assert np.array_equal(np.asarray(q_b.values).reshape(32, 256).view(np.uint8), w.view(np.uint8).T)
+    np.testing.assert_array_equal(np.asarray(q_b.scale), e8m0(scale.view(np.uint8)).T.astype(np.float32))
+    report = check(dst)  # the converted directory against its manifest, both formats read back
+    assert report.passed, report.all_problems
+
+
+def _scales_ignored(weights):
+    """The wrong reading of a quantized tree: its stored values with every scale taken as 1."""
+    is_quantized = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    return jax.tree.map(lambda x: x.replace(scale=jnp.ones_like(x.scale)) if is_quantized(x) else x, weights,
+                        is_leaf=is_quantized)
+
+
+def test_quantize_none_dequantizes_both_formats(published_pair, published_none):
+    """``--quantize none``: no quantized leaf, each weight the default conversion's dequantized
+    exactly (the two read the same stored numbers) and not its stored values with the scales
+    ignored (what the logits test below would catch in the forward pass)."""
+    manifest = json.loads((published_none / "manifest.json").read_text())
+    assert manifest["quantization"]["weights"] == "none"
+    assert not any(e.get("quantized") for e in manifest["tensors"].values())
+    _, floats = load_checkpoint(published_none)
+    _, kept = load_checkpoint(published_pair[1])
+    for name in ("layers/0/attn/o_a", "layers/1/mlp/down", "mtp/0/e_proj"):
+        leaf = _leaf(kept, name)
+        want = np.asarray(_leaf(floats, name))
+        np.testing.assert_array_equal(np.asarray(dequantized(leaf, jnp.float32)), want, err_msg=name)
+        wrong = np.asarray(dequantized(_leaf(_scales_ignored(kept), name), jnp.float32))
+        assert np.abs(wrong - want).max() > 10 * np.abs(want).max(), name  # scales ~2^-12 .. 2^-5
+
+
+def _leaf(weights, name: str):
+    flat, _ = jax.tree_util.tree_flatten_with_path(weights, is_leaf=lambda x: isinstance(x, QuantizedArray))
+    return {leaf_path(k): v for k, v in flat}[name]
+
+
+def test_fp8_kept_only_where_every_fp8_leaf_is_stored_fp8_and_fp8_block_keeps_it(published_pair, tmp_path):
+    """No --quantize keeps the FP8 weights only when every leaf fp8-block would store is FP8 in
+    the source: with one of them (layer 0's wq_a) float, the experts alone stay as stored
+    (mxfp4), so that no float weight is rounded unasked. ``--quantize fp8-block`` keeps the FP8
+    weights as stored too (the experts quantized from their exact dequantization)."""
+    src = published_pair[0]
+    reader = SafetensorsReader(src / "model.safetensors")
+    tensors = {n: reader.get(n) for n in reader.keys() if n != "layers.0.attn.wq_a.scale"}
+    tensors["layers.0.attn.wq_a.weight"] = reader.get("layers.0.attn.wq_a.weight").astype(np.float32)
+    mixed = write_checkpoint(tmp_path / "mixed", tensors, num_nextn_predict_layers=1, **PUBLISHED_CONFIG)
+    manifest = json.loads((convert_checkpoint(mixed, tmp_path / "dz", progress=False) / "manifest.json").read_text())
+    assert manifest["quantization"]["weights"] == "mxfp4" and not _native(manifest, "fp8-native")
+    assert len(_native(manifest, "mxfp4-native")) == 9
+    blocked = convert_checkpoint(src, tmp_path / "fp8", quantize="fp8-block", progress=False)
+    manifest = json.loads((blocked / "manifest.json").read_text())
+    assert manifest["quantization"] == {"weights": "fp8-block", "block": [128, 128]}
+    assert len(_native(manifest, "fp8-native")) == 3 * len(FP8_LEAVES) + 2
+    assert _native(manifest, "quantized") == sorted(p + leaf for p in ("layers/0/", "layers/1/", "mtp/0/layer/")
+                                                    for leaf in ROUTED)
+
+
+@pytest.mark.slow  # the forward pass over FP8 and MXFP4 leaves is another compile, ~10 s here
+def test_forward_reads_both_formats_as_the_dequantized_conversion(published_pair, published_none, ids):
+    """The forward pass, reading FP8 leaves block by block and MXFP4 experts tile by tile, gives
+    the ``--quantize none`` conversion's logits to fp32 rounding (the same stored numbers,
+    dequantized at another time), and not those of the stored values with the scales ignored."""
+    config, kept = load_checkpoint(published_pair[1])
+    _, floats = load_checkpoint(published_none)
+    want = all_logits(floats, config, ids)
+    got = all_logits(kept, config, ids)
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() < 1e-5 * scale, np.abs(got - want).max() / scale
+    assert np.abs(all_logits(_scales_ignored(kept), config, ids) - want).max() > 0.1 * scale
 
 
 def test_published_format_matches_hf_and_passes_check(published_pair, hf, logits, ids):
@@ -455,6 +558,18 @@ def test_published_format_matches_hf_and_passes_check(published_pair, hf, logits
     report = check(src)
     assert report.passed, report.all_problems
     assert report.structure["not_float"] == report.structure["unexpected"] == []
+
+
+@pytest.mark.slow  # the engine's prefill and decode steps over both conversions, ~30 s here
+def test_engine_loads_both_formats_and_generates_the_dequantized_conversions_tokens(published_pair, published_none):
+    """``Engine.load`` of the checkpoint with both formats kept generates the ``--quantize none``
+    conversion's greedy tokens."""
+    from dayzero.engine import Engine
+
+    prompt = random_ids(12, 256, seed=3)[0].tolist()
+    want = Engine.load(published_none, progress=False).generate(prompt, max_new_tokens=6, ignore_eos=True)
+    got = Engine.load(published_pair[1], progress=False).generate(prompt, max_new_tokens=6, ignore_eos=True)
+    assert got.token_ids == want.token_ids
 
 
 @pytest.mark.slow  # two more compiles (the engine's prefill and decode steps), ~25 s here

@@ -25,7 +25,7 @@ import pytest
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.mesh_check import mesh_refusal
 from dayzero.model.presets import load_preset
-from tests.mesh_checks import run_part
+from tests.v4_mesh_checks import run_part
 from tests.v4_helpers import tiny_hf_config, tiny_hf_model
 
 FP32_ROUNDING = 1e-5  # relative: same maths, different summation order across shards
@@ -70,7 +70,7 @@ def test_attention_block_on_mesh_matches_one_device(config):
 
 @pytest.fixture(scope="module")
 def v4(hf_factory, tmp_path_factory):
-    """The whole-model mesh results (tests/mesh_checks.py ``part_deepseek_v4``) of the converted
+    """The whole-model mesh results (tests/v4_mesh_checks.py ``part_deepseek_v4``) of the converted
     tiny model."""
     _, dz = hf_factory.save_and_convert(tiny_hf_model(5), tmp_path_factory.mktemp("v4_mesh"))
     return run_part("deepseek_v4", str(dz), timeout=1200, fast_compile=True)
@@ -95,6 +95,15 @@ def test_generation_matches_one_device(v4, mesh):
     """Greedy tokens equal and logprobs to fp32 rounding; no compile after the first decode step."""
     assert v4[mesh]["same_tokens"] and v4[mesh]["logprob_diff"] < FP32_ROUNDING
     assert v4[mesh]["decode_compiles"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES)
+def test_serving_matches_one_device(v4, mesh):
+    """The paged serving engine on the mesh (entry pages and slot states laid out by their
+    logical axes; data=4 serves four replicas): one device's greedy tokens, logprobs to fp32
+    rounding."""
+    assert v4[mesh]["served"] and v4[mesh]["served_logprob_diff"] < FP32_ROUNDING
 
 
 @pytest.mark.slow

@@ -99,6 +99,12 @@ def test_quantized_projections(config):
     assert block.scale.axes == ("q_heads", None, None)
     int4 = _quantized_leaves(abstract_weights(config, QuantConfig(WeightQuant.INT4)))
     assert {p for p, s in int4.items() if s.fmt is ValueFormat.INT4} == routed
+    # The published formats (mxfp4+fp8-block): routed experts MXFP4 in blocks of 32 inputs, every
+    # other projection FP8 in the checkpoint's blocks.
+    both = _quantized_leaves(abstract_weights(config, QuantConfig(WeightQuant.MXFP4_FP8_BLOCK, (128, 128))))
+    assert both.keys() == leaves.keys()
+    assert {p for p, s in both.items() if (s.fmt, s.block) == (ValueFormat.MXFP4, (32, 1))} == routed
+    assert all((s.fmt, s.block) == (ValueFormat.FP8, (128, 128)) for p, s in both.items() if p not in routed)
 
 
 def _block_absmax(w: np.ndarray, block: tuple[int, int] | None) -> np.ndarray:

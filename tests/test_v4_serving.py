@@ -1,5 +1,5 @@
-"""DeepSeek-V4 through the serving engine (``dayzero.engine.serving`` over a slot cache,
-``dayzero.model.compressed_slots``).
+"""DeepSeek-V4 through the serving engine (``dayzero.engine.serving`` over its paged cache,
+``dayzero.model.compressed_paged``: entries in pages, window rings and compressor states per slot).
 
 The tiny V4 model of tests/v4_helpers.py (seed 5, as tests/test_v4_model.py: layers sliding, CSA
 ratio 4, HCA ratio 16, CSA; window 16), converted once. The oracle is ``Engine.generate`` on the
@@ -8,18 +8,18 @@ batch of requests with their own sampling parameters (a row's tokens do not depe
 or on the batch's sampling mode: ``sampling.sample``). Served with 2 slots for 6 requests and
 prefill chunks of 2 tokens, so that:
 
-- slots are reused: later requests start in a slot whose window ring, entries and compressor
-  states an earlier request left behind (never reset, never read);
+- slots and pages are reused: later requests start in a slot whose window ring and compressor
+  states an earlier request left behind, on pages holding its entries (never reset, never read);
 - every prompt is split in the middle of CSA windows (2 of 4 tokens) and of HCA windows and the
   16-token window ring, prompts of 37 and 50 tokens close 2-3 HCA windows and wrap the ring;
 - greedy and seeded sampled rows decode in batches of 1 and 2 rows.
 
-A slot holds ``max_context`` tokens, so V4 never runs out of room and is never preempted by the
-engine; the recompute path a preemption takes is forced by hand (two running requests preempted
-and readmitted into each other's slots).
+A small pool (``num_pages`` 6 of 16 positions) makes the engine preempt by itself; the
+recompute path is also forced by hand (two running requests preempted and readmitted into each
+other's slots).
 
-Default suite: the slot writes against the contiguous cache's and the resolved configuration;
-the served requests, the forced preemption and the HTTP request run under ``-m slow``.
+Default suite: the page and slot writes against the contiguous cache's and the resolved
+configuration; the served requests, the preemptions and the HTTP request run under ``-m slow``.
 """
 
 from __future__ import annotations
@@ -37,19 +37,25 @@ import pytest
 
 from dayzero.convert import load_checkpoint
 from dayzero.engine import Engine, SamplingParams
-from dayzero.engine.runtime import RunConfigError
+from dayzero.engine.generate import GenerationError
+from dayzero.engine.paged_steps import _restore, _snapshot, default_page_size
 from dayzero.engine.serving import ServingConfig, ServingEngine
 from dayzero.tools.measure import CompileCounter
 from dayzero.model import compressed_cache
 from dayzero.model.compressed import NewCompressedLayer
 from dayzero.model.compressed_cache import CompressedCache, NewCompressed
-from dayzero.model.compressed_slots import append_to_slots, slot_cache_specs
+from dayzero.model.compressed_paged import append_to_paged, paged_specs
+from dayzero.model.paged_rows import PagedRows, whole
+from dayzero.model.quant import ValueFormat, dequantized, quantize
 from dayzero.model.weights import map_specs
 from tests.v4_helpers import tiny_hf_model
 
-# 2 slots (decode batches of 1 and 2), context 64, prefill chunks of exactly 2 tokens: the shapes
-# compiled are 2 prefill (first chunk, later chunks) and 2 decode steps.
-SERVING = ServingConfig(slots=2, max_context=64, max_chunk=2, min_chunk=2)
+# 2 slots (decode batches of 1 and 2), context 64 (4 pages of 16), prefill chunks of exactly 2
+# tokens, tables of 4 pages (min_table_pages: one width): 2 prefill and 2 decode shapes compiled.
+PAGE = 16
+# Room for every snapshot the requests take (the default, 4 per slot, would have evicted row 0's by
+# the time its repeat, row 5, is admitted).
+SERVING = ServingConfig(slots=2, max_context=64, max_chunk=2, min_chunk=2, state_snapshots=16)
 NEW = 10
 LENGTHS = (37, 5, 21, 50, 16, 37)
 PROMPTS = [np.random.default_rng(s).integers(2, 256, n).tolist() for s, n in enumerate(LENGTHS)]
@@ -100,27 +106,47 @@ def _assert_same(served, reference, rows):
 @pytest.mark.slow
 def test_served_requests_match_generate(server, v4):
     """Six requests over two slots, chunked prefill, greedy and seeded sampled rows: every
-    request's tokens and logprobs are Engine.generate's, and nothing compiles after the warm-up."""
-    assert server.config.slot_cache and not server.config.prefix_cache and server.pool is None
+    request's tokens and logprobs are Engine.generate's, and nothing compiles after the warm-up.
+    Row 5 repeats row 0's 37-token prompt: it reuses 2 cached pages (32 positions) with the window
+    ring and compressor states snapshotted at position 32 restored into its slot, and still
+    samples exactly as generate (a wrong or missing restore changes its logits)."""
+    assert server.config.page_size == PAGE and server.config.prefix_cache
     with CompileCounter() as counter:
         served = server.run(PROMPTS, max_new_tokens=NEW, sampling=PARAMS, ignore_eos=True, logprobs=True)
     assert counter.count == 0
     _assert_same(served, v4.reference(), range(len(PROMPTS)))
     assert served[5].token_ids != served[0].token_ids  # the sampled row does sample
     stats = server.stats
-    assert stats.prefill_chunks == sum(-(-n // 2) for n in LENGTHS) and stats.preemptions == 0
-    assert stats.cached_tokens == 0 and stats.peak_pages == 0
+    assert stats.prefill_chunks == sum(-(-n // 2) for n in LENGTHS) - 16 and stats.preemptions == 0
+    assert stats.cached_tokens == 32 and stats.snapshots_restored == 1 and stats.peak_pages > 0
     assert server._slots == [None, None]
     metrics = server.metrics()
-    assert "pages_used" not in metrics and metrics["running"] == 0 and metrics["prefix_cache_hit_rate"] == 0.0
+    assert metrics["pages_used"] == 0 and metrics["running"] == 0 and metrics["prefix_cache_hit_rate"] > 0
+
+
+@pytest.mark.slow
+def test_pool_driven_preemption_matches_generate(v4):
+    """A pool of 4 pages for two requests (21 and 16 prompt tokens, 20 new: 3 pages each at the
+    end): the engine preempts and recomputes by itself, on pages the other request wrote entries
+    into, and both requests' tokens and logprobs are still Engine.generate's."""
+    server = ServingEngine(v4.engine, dataclasses.replace(SERVING, num_pages=4))
+    rows, new = [2, 4], 20
+    prompts, params = [PROMPTS[r] for r in rows], [PARAMS[r] for r in rows]
+    served = server.run(prompts, max_new_tokens=new, sampling=params, ignore_eos=True, logprobs=True)
+    assert server.stats.preemptions > 0
+    reference = v4.engine.generate(prompts, max_new_tokens=new, sampling=params, ignore_eos=True, logprobs=True)
+    for out, ref in zip(served, reference):
+        assert out.token_ids == ref.token_ids
+        np.testing.assert_allclose(out.logprobs, ref.logprobs, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
 def test_preempted_requests_recompute_into_each_others_slots(server, v4):
-    """Two running requests preempted by hand (the engine never preempts V4: a slot has room for
-    max_context tokens), one decoding and one mid-prefill, are readmitted into each other's slots,
+    """Two running requests preempted by hand, one decoding and one mid-prefill, are readmitted
+    into each other's slots,
     holding the other's stale rows, and recompute there (prompt + generated tokens): the same
     tokens as Engine.generate's."""
+    server = ServingEngine(v4.engine, dataclasses.replace(SERVING, prefix_cache=False))  # none restored
     rows = [0, 3, 1]
     before = server.stats.preemptions
     ids = [server.submit(PROMPTS[r], max_new_tokens=NEW, sampling=PARAMS[r], ignore_eos=True, logprobs=True)
@@ -176,14 +202,16 @@ def _random(shape) -> jax.Array:
     return jnp.asarray(_RNG.standard_normal(shape), jnp.float32)
 
 
-def test_append_writes_only_the_steps_real_rows(v4):
-    """``append_to_slots`` against ``compressed_cache.append`` on the slot's row alone: a step of a
-    real row in slot 1 and a padding row (no token, garbage rows, entry ids and states) naming the
-    same slot writes exactly what the real row alone writes there, and slot 0 keeps its contents."""
-    config = v4.engine.config
-    pool = map_specs(lambda x: _random(x.shape) if len(x.shape) >= 3 else jnp.asarray(np.zeros(x.shape, x.dtype)),
-                     slot_cache_specs(config, 2, 64))
-    T, M = 3, 2
+def _random_pool(config, num_pages: int, slots: int):
+    """A V4 page pool with random contents (integer leaves, the step rows, zero)."""
+    specs = paged_specs(config, num_pages, PAGE, batch=2, table_width=4, state_slots=slots)
+    return map_specs(lambda x: _random(x.shape) if len(x.shape) >= 3 else jnp.asarray(np.zeros(x.shape, x.dtype)),
+                     specs)
+
+
+def _new_rows(pool, T: int, M: int) -> NewCompressed:
+    """Random additions of a 2-row step: T rows, M entries per CSA/HCA layer (ids 3 and none for
+    row 0, 5 and 6 for row 1), random states."""
     layers = []
     for c in pool.layers:
         H = c.window.shape[-1]
@@ -194,32 +222,107 @@ def test_append_writes_only_the_steps_real_rows(v4):
         if c.index_keys is not None:
             J = c.index_keys.shape[-1]
             state = jax.tree.map(lambda s: _random((2, *s.shape[1:])), c.index_state)
-            n = n.replace(index_keys=_random((2, M, J)), index_ids=jnp.array([[3, -1], [5, 6]]),
-                          index_state=state)
+            n = n.replace(index_keys=_random((2, M, J)), index_ids=jnp.array([[3, -1], [5, 6]]), index_state=state)
         layers.append(n)
-    new = NewCompressed(layers=tuple(layers), num_new=jnp.array([T, 0]), rope_len=jnp.array(20))
-    step = pool.replace(slots=jnp.array([1, 1]), lengths=jnp.array([17, 0]))
-    written = jax.jit(append_to_slots)(step, new)
-    # The oracle: slot 1's row as a contiguous cache of one row, appended by the contiguous cache.
-    row = CompressedCache(layers=jax.tree.map(lambda x: x[1:2], pool.layers), lengths=jnp.array([17]),
-                          rope_len=pool.rope_len, max_len=64)
-    alone = jax.jit(compressed_cache.append)(row, jax.tree.map(lambda x: x[:1] if x.ndim else x, new))
-    for i, layer in enumerate(alone.layers):
-        for got, want, before in zip(*(map(np.asarray, jax.tree.leaves(t)) for t in (written.layers[i], layer,
-                                                                                      pool.layers[i]))):
-            np.testing.assert_array_equal(got[1], want[0])
-            np.testing.assert_array_equal(got[0], before[0])
-    np.testing.assert_array_equal(written.lengths, [17 + T, 0])
+    return NewCompressed(layers=tuple(layers), num_new=jnp.array([T, 0]), rope_len=jnp.array(20))
 
 
-def test_slot_cache_config_and_refusals(v4):
-    """The resolved config: one slot per request, no pages, no prefix cache (``num_pages``
-    ignored); serving V4 on a mesh is refused in one sentence."""
+def _gathered(cache, i: int):
+    """Layer ``i`` of a paged cache as the step's rows see it, its paged rows gathered whole."""
+    layer = cache.layer(i)
+    return layer.replace(entries=whole(layer.entries), index_keys=whole(layer.index_keys))
+
+
+def test_append_writes_only_the_steps_real_rows(v4):
+    """``append_to_paged`` against ``compressed_cache.append`` on a contiguous row: a real row in
+    slot 1 (pages 4, 0, 2, 5) and a padding row (no token, garbage rows, entry ids and states)
+    naming the same slot and other pages write exactly what the contiguous cache's append writes
+    for the real row alone (its rings, states and entries, read back through the pages); slot 0
+    and the pages outside the real row's table keep their contents."""
     config = v4.engine.config
-    resolved = dataclasses.replace(SERVING, num_pages=3).resolve(config, v4.engine.run)
-    assert resolved.slot_cache and resolved.num_pages is None and resolved.max_table_pages == 1
-    assert resolved.prefill_shapes() == [(2, None), (2, 1)] and resolved.table_widths() == [1]
-    assert resolved.chunk_shape(0, 7) == (2, None) and resolved.chunk_shape(4, 3) == (2, 1)
-    meshed = dataclasses.replace(v4.engine.run, placement=object())  # only its presence matters here
-    with pytest.raises(RunConfigError, match="DeepSeek-V4 on a --mesh"):
-        SERVING.resolve(config, meshed)
+    pool = _random_pool(config, num_pages=8, slots=2)
+    tables = jnp.array([[4, 0, 2, 5], [1, 3, 6, 7]], jnp.int32)
+    step = pool.with_rows(block_tables=tables, slots=jnp.array([1, 1]), lengths=jnp.array([17, 0]))
+    new = _new_rows(pool, T=3, M=2)
+    written = jax.jit(append_to_paged)(step, new)
+    # The oracle: the real row as a contiguous cache row (its view of the pool), appended by the
+    # contiguous cache's own writes.
+    alone = step.with_rows(block_tables=tables[:1], slots=jnp.array([1]), lengths=jnp.array([17]))
+    row = CompressedCache(layers=tuple(_gathered(alone, i) for i in range(len(pool.layers))),
+                          lengths=jnp.array([17]), rope_len=pool.rope_len, max_len=64)
+    want = jax.jit(compressed_cache.append)(row, jax.tree.map(lambda x: x[:1] if x.ndim else x, new))
+    got = written.with_rows(block_tables=tables[:1], slots=jnp.array([1]), lengths=jnp.array([20]))
+    for i, layer in enumerate(want.layers):
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(_gathered(got, i)), jax.tree.leaves(layer)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"layer {i} {path}")
+    untouched = [1, 3, 6, 7]
+    for before, after in zip(pool.layers, written.layers):
+        for field in ("window", "state", "index_state"):
+            for x, y in zip(jax.tree.leaves(getattr(before, field)), jax.tree.leaves(getattr(after, field))):
+                np.testing.assert_array_equal(np.asarray(y)[0], np.asarray(x)[0])  # slot 0
+        for field in ("entries", "index_keys"):
+            if getattr(before, field) is not None:
+                np.testing.assert_array_equal(np.asarray(getattr(after, field))[untouched],
+                                              np.asarray(getattr(before, field))[untouched])
+    np.testing.assert_array_equal(written.lengths, [20, 0])
+
+
+def test_paged_config_and_refusals(v4):
+    """The resolved config: pages of 16 positions (a multiple of the tiny model's ratios 4 and 16;
+    the published 4 and 128 give 128), a prefix cache unless no state snapshots; a page size that splits an entry's window
+    is refused in one sentence, and so is a raw pool declared with one."""
+    config = v4.engine.config
+    resolved = SERVING.resolve(config, v4.engine.run)
+    assert resolved.page_size == PAGE and resolved.prefix_cache and resolved.num_pages >= 4
+    assert not dataclasses.replace(SERVING, state_snapshots=0).resolve(config, v4.engine.run).prefix_cache
+    published = dataclasses.replace(config, compressed=dataclasses.replace(config.compressed, hca_ratio=128))
+    assert default_page_size(published) == 128
+    with pytest.raises(GenerationError, match=r"page_size=8 does not hold .* multiple of 16"):
+        dataclasses.replace(SERVING, page_size=8).resolve(config, v4.engine.run)
+    with pytest.raises(ValueError, match=r"page_size=24 .* multiple of 16"):
+        paged_specs(config, 4, 24)
+
+
+def test_snapshot_and_restore_copy_one_slots_states(v4):
+    """The prefix cache's state copies (``paged_steps._snapshot``/``_restore``) on a random pool:
+    slot 2's rings and compressor states go to snapshot row 1 and from there into slot 0; every
+    other slot, every page and the other snapshot row keep their contents; out-of-range rows and
+    slots (the warm-up's calls) write nothing. (Both jits donate their first argument: each call
+    gets a fresh copy.)"""
+    pool = _random_pool(v4.engine.config, num_pages=4, slots=3)
+    copy = lambda tree: jax.tree.map(jnp.array, tree)  # noqa: E731
+    leaves = lambda tree: [np.asarray(x) for x in jax.tree.leaves(tree)]  # noqa: E731
+    zeros = jax.tree.map(lambda leaf: jnp.zeros((2, *leaf.shape[1:]), leaf.dtype), pool.slot_states)
+    snaps = _snapshot(copy(zeros), pool.slot_states, jnp.int32(2), jnp.int32(1))
+    restored = _restore(copy(pool), snaps, jnp.int32(0), jnp.int32(1))
+    for snap, before, after in zip(leaves(snaps), leaves(pool.slot_states), leaves(restored.slot_states)):
+        np.testing.assert_array_equal(snap[1], before[2])
+        np.testing.assert_array_equal(snap[0], 0)
+        np.testing.assert_array_equal(after[0], before[2])
+        np.testing.assert_array_equal(after[1:], before[1:])
+    for layer, before in zip(restored.layers, pool.layers):
+        for field in ("entries", "index_keys"):
+            if getattr(layer, field) is not None:
+                np.testing.assert_array_equal(getattr(layer, field), getattr(before, field))
+    unchanged = _snapshot(copy(snaps), pool.slot_states, jnp.int32(0), jnp.int32(2))
+    for got, want in zip(leaves(unchanged), leaves(snaps)):
+        np.testing.assert_array_equal(got, want)
+    untouched = _restore(copy(pool), snaps, jnp.int32(3), jnp.int32(1))
+    for got, want in zip(leaves(untouched), leaves(pool)):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_paged_rows_take_reads_the_rows_the_gather_holds(quantized):
+    """``PagedRows.take`` (the picks read straight from the pages) against ``numpy`` indexing of
+    the whole gathered view (``PagedRows.whole``), for a plain and an int8 pool (values and
+    scales taken alike), rows from every page of two tables in any order."""
+    pool = _random((6, 4, 8))
+    if quantized:
+        pool = quantize(pool, ValueFormat.INT8, (2,))
+    rows = PagedRows(pool, jnp.array([[3, 0, 5], [1, 1, 2]], jnp.int32))
+    picks = jnp.array([[11, 0, 4, 7, 9], [2, 10, 5, 5, 0]], jnp.int32)[..., None]
+    got = rows.take(picks)
+    want = np.take_along_axis(np.asarray(dequantized(rows.whole(), jnp.float32)), np.asarray(picks), axis=1)
+    assert rows.shape == (2, 12, 8) and isinstance(got, type(pool))
+    np.testing.assert_array_equal(np.asarray(dequantized(got, jnp.float32)), want)

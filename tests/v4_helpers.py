@@ -62,3 +62,48 @@ def tiny_hf_model(seed: int = 0, **overrides):
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(tiny_hf_config(**overrides)).float().eval()
     return randomize(model, seed)
+
+
+def random_attn_weights(config, kind, seed: int = 0):
+    """Numpy-drawn float32 weights of the first ``kind`` layer's attention block of ``config``
+    (a dayzero ``ModelConfig``): 0.3 * N(0, 1), plus 1 where the spec initialises ones (norms),
+    so sinks and position biases are random too. For block-level tests that need no HF model."""
+    import jax
+    import numpy as np
+
+    from dayzero.model.weights import ParamSpec, abstract_weights
+
+    rng = np.random.default_rng(seed)
+    spec = abstract_weights(config).layers[config.compressed.kinds.index(kind)].attn
+    return jax.tree.map(lambda p: (0.3 * rng.standard_normal(p.shape) + (p.init.value == "ones")).astype(np.float32),
+                        spec, is_leaf=lambda p: isinstance(p, ParamSpec))
+
+
+def one_layer_cache(config, kind, batch: int, max_len: int, kv_quant):
+    """An empty fp32 ``CompressedCache`` holding only the first ``kind`` layer (``kv_quant`` a
+    ``KVQuant``), for :func:`block_step`."""
+    import jax.numpy as jnp
+
+    from dayzero.model.cache import init_cache
+
+    full = init_cache(config, batch, max_len, jnp.float32, kv_quant)
+    return full.replace(layers=(full.layers[config.compressed.kinds.index(kind)],))
+
+
+def block_step(w, config, kind, x, cache, num_new, gather=None):
+    """One call of the V4 attention block of ``kind`` over ``x`` [B,T,D] at the one-layer
+    ``cache``'s lengths (``num_new`` [B] real tokens; ``gather`` as ``compressed_block``'s), and
+    the cache with the call appended -> (output [B,T,D], cache). Not jitted: wrap it."""
+    import jax.numpy as jnp
+
+    from dayzero.model import compressed, compressed_cache
+    from dayzero.model.config import CompressKind
+    from dayzero.model.rope import rope_cos_sin
+
+    starts = cache.lengths
+    rope_len = jnp.max(starts + num_new)
+    positions = starts[:, None] + jnp.arange(x.shape[1])[None, :]
+    rope = config.rope if kind is CompressKind.SLIDING else config.compressed.compress_rope
+    cos_sin = rope_cos_sin(rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
+    y, new = compressed.compressed_block(w, config, kind, x, cos_sin, cache.layers[0], starts, num_new, gather)
+    return y, compressed_cache.append(cache, compressed_cache.NewCompressed((new,), num_new, rope_len))

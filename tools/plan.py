@@ -41,6 +41,7 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         kv_cache=args.kv_cache, dtype=args.dtype, batch=args.batch, context=args.context,
         prefill_chunk=args.prefill_chunk, devices_per_host=args.devices_per_host,
         reserve=getattr(args, "reserve", 0.1), kernels=getattr(args, "kernels", "auto"),
+        state_snapshots=getattr(args, "state_snapshots", None),  # as ``dayzero serve --state-snapshots``
     )
     storage(work)
     return work
@@ -62,7 +63,7 @@ def _plan_and_config(args: argparse.Namespace) -> tuple[Plan, ModelConfig]:
 def run_plan(args: argparse.Namespace) -> int:
     """``dayzero plan``: print the plan (one JSON object with ``--json``); exit 1 if it does not fit."""
     result, config = _plan_and_config(args)
-    print(json.dumps(result.to_json()) if args.json else format_plan(result, slots=config.compressed is not None))
+    print(json.dumps(result.to_json()) if args.json else format_plan(result, kv_layout(config, result.page_size)))
     return 0 if result.fits else 1
 
 
@@ -71,7 +72,8 @@ def _row(p: MeshPlan) -> str:
     if not p.runs:
         return mesh + f"refused: {p.refused}"
     b = p.bytes
-    weights, kv = b["weights"] + b["weight_scales"], b["kv_cache"] + b["kv_scales"]
+    # The KV column: the pools, their scales and the prefix cache's state snapshots (all cache memory).
+    weights, kv = b["weights"] + b["weight_scales"], b["kv_cache"] + b["kv_scales"] + b["state_snapshots"]
     return (mesh + f"{format_size(weights):>10} {format_size(kv):>10} "
             f"{format_size(b['activations']):>10} {format_size(p.total):>10} {format_size(p.inter_host):>10}  "
             f"{'yes' if p.tensor_in_host else 'no':<7} {'yes' if p.fits else 'no'}")
@@ -88,13 +90,36 @@ def _collective_lines(p: MeshPlan, step: str, label: str) -> list[str]:
         f"{' (across hosts)' if d['inter_host'] else ''}: {d['name']}" for d in largest]
 
 
-def format_plan(result: Plan, slots: bool = False) -> str:
-    """The human-readable report. ``slots``: the KV is a slot cache of whole rows (DeepSeek-V4's
-    window rings, entries and compressor states), not page pools."""
+def kv_layout(config: ModelConfig, page: int) -> str:
+    """How the serving engine holds the KV planned: page pools of ``page`` positions a page (the
+    plan's, ``Plan.page_size``); a hybrid's pages are its attention layers', beside its linear
+    layers' states per sequence; DeepSeek-V4's hold its compressed entries (a page size that is a
+    multiple of its ratios) beside window rings and compressor states per sequence."""
+    if config.compressed is not None:
+        return f"serving page pools, {page} positions a page, and window rings and compressor states per sequence"
+    if config.linear is not None:
+        return f"serving page pools, {page} positions a page, and linear-layer states per sequence"
+    return f"serving page pools, {page} positions a page"
+
+
+def _snapshot_line(result: Plan, rows: int) -> list[str]:
+    """The prefix cache's state snapshots, where the plan holds any: bytes per device, rows, and
+    what one row costs."""
+    size = result.recommended.bytes["state_snapshots"]
+    if not size:
+        return []
+    n = result.work.snapshot_rows(rows)
+    return [f"  snapshots    {format_size(size):>10}  (the prefix cache's copies of per-sequence states: {n} rows, "
+            f"{n / rows:g} per sequence, {format_size(size // n)} each on each device)"]
+
+
+def format_plan(result: Plan, layout: str | None = None) -> str:
+    """The human-readable report. ``layout``: how the KV is held (:func:`kv_layout`; default:
+    page pools of ``result.page_size`` positions)."""
     w, best = result.work, result.recommended
     b = best.bytes
     rows = -(-w.batch // best.mesh["data"])  # the rows each device's replica holds
-    layout = "slot cache, one row per sequence" if slots else f"serving page pools, {w.page_size} positions a page"
+    layout = layout or f"serving page pools, {result.page_size} positions a page"
     lines = [
         f"{result.model}: {result.parameters / 1e9:,.1f}B parameters; {w.devices} devices x "
         f"{format_size(w.device_memory)} ({format_size(w.usable)} usable, {w.reserve:.0%} reserved), "
@@ -111,6 +136,7 @@ def format_plan(result: Plan, slots: bool = False) -> str:
         f"  KV cache     {format_size(b['kv_cache']):>10}" + (
             f"  + {format_size(b['kv_scales'])} per-slot scales" if b["kv_scales"] else "")
         + f"  ({layout}; {format_size((b['kv_cache'] + b['kv_scales']) // rows)} per sequence on each device)",
+        *_snapshot_line(result, rows),
         f"  activations  {format_size(b['activations']):>10}  (peak: {best.peak_stage})",
         f"    decode step of {w.batch} rows {format_size(best.activation_peaks['decode']):>10}; prefill chunk of "
         f"{min(w.prefill_chunk, w.context)} tokens {format_size(best.activation_peaks['prefill'])}",

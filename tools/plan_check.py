@@ -21,8 +21,9 @@ as the mesh has: run it in a process started with
 host inputs are ``jax.ShapeDtypeStruct`` carrying the shardings the engine gives them (the
 weights as ``generate.weight_specs`` declares them for the run: quantized and re-blocked).
 
-DeepSeek-V4 (``V4_CASES``, tiny): the serving engine's forward over its slot cache
-(:func:`xla_v4_memory`), decode and the chunk shapes of ``footprint_v4.chunk_shapes``.
+DeepSeek-V4 (``V4_CASES``, tiny): the serving engine's forward over its paged pool (entries in
+pages, rings and compressor states per slot: :func:`xla_v4_memory`), decode and the chunk shapes
+of ``footprint_v4.chunk_shapes``.
 
 Weights and KV bytes are not compared here: both sides would read them from the same
 shardings. ``dayzero.tools.plan_measure`` compares them with arrays the engine places.
@@ -169,13 +170,16 @@ def xla_prefill_memory(config: ModelConfig, axes: dict[str, int], work: Workload
     return {"shapes": shapes, "activations": max(r["activations"] for r in shapes)}
 
 
-def v4_serving_inputs(config: ModelConfig, run: RunConfig, slots: int, B: int, T: int, S: int) -> tuple:
+def v4_serving_inputs(config: ModelConfig, run: RunConfig, slots: int, B: int, T: int, S: int,
+                      page_size: int) -> tuple:
     """Abstract (weights, tokens, num_new, cache) of the serving engine's forward call over a
-    DeepSeek-V4 slot cache (``compressed_slots.slot_cache_specs``: ``slots`` slots of ``S``
-    positions, laid out by its logical axes as ``PagedSteps`` lays it out; the step's slot
-    indices, lengths and ``rope_len`` replicated) for ``B`` rows of ``T`` tokens; the cache is
-    None for a chunk that reads none (``S`` = 0: a prompt's first chunk)."""
-    from dayzero.model.compressed_slots import slot_cache_specs
+    DeepSeek-V4 paged pool (``paged_cache_specs``: ``compressed_paged.PagedCompressedCache``, its
+    entries in pages of ``page_size`` positions, ``slots`` rows of window rings and compressor
+    states; laid out by its logical axes as ``PagedSteps`` lays it out; the step's block tables,
+    slots, lengths and ``rope_len`` replicated) for ``B`` rows of ``T`` tokens, each reading a
+    table of ``S / page_size`` pages; the cache is None for a chunk that reads none (``S`` = 0: a
+    prompt's first chunk)."""
+    from dayzero.model.paged_cache import paged_cache_specs
 
     placement = run.placement
     specs = weight_specs(config, run, untied_head=False)
@@ -184,36 +188,40 @@ def v4_serving_inputs(config: ModelConfig, run: RunConfig, slots: int, B: int, T
     host = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=replicated)  # noqa: E731
     cache = None
     if S:
-        pool = slot_cache_specs(config, slots, S, batch=B, kv_quant=run.kv_cache)
+        width = S // page_size
+        pool = paged_cache_specs(config, slots * width, page_size, batch=B, table_width=width,
+                                 kv_quant=run.kv_cache, state_slots=slots)
         cache = shape_structs(pool, run.dtype, placement.shardings(pool))
-        cache = cache.replace(slots=host((B,)), lengths=host((B,)), rope_len=host(()))
+        cache = cache.replace(block_tables=host((B, width)), slots=host((B,)), lengths=host((B,)),
+                              rope_len=host(()))
     return weights, host((B, T)), host((B,)), cache
 
 
 def xla_v4_memory(config: ModelConfig, axes: dict[str, int], work: Workload,
                   stages: tuple[str, ...] = ("decode", "prefill")) -> dict:
     """DeepSeek-V4's serving steps as the planner sizes them (``footprint_v4.steps``), compiled as
-    the serving engine runs them on the reference path (``paged_steps._forward_logits`` over a
-    slot cache of the replica's ``ceil(batch / data)`` slots of ``work.context`` positions, on its
-    ``tensor`` x ``expert`` devices): the decode step (every slot's row, one token) and each
-    prefill chunk of ``footprint_v4.chunk_shapes`` (one row; the first reads no cache).
-    ``{"decode": memory, "prefill": {"shapes": [{"T", "S", ...}], "activations": the largest}}``."""
+    the serving engine runs them on the reference path (``paged_steps._forward_logits`` over the
+    paged pool of the replica's ``ceil(batch / data)`` slots, pages of ``footprint_v4.page_size``
+    positions, on its ``tensor`` x ``expert`` devices): the decode step (every slot's row, one
+    token, over the widest table) and each prefill chunk of ``footprint_v4.chunk_shapes`` (one
+    row; the first reads no cache). ``{"decode": memory, "prefill": {"shapes": [{"T", "S", ...}],
+    "activations": the largest}}``."""
     from dayzero.engine.paged_steps import _forward_logits
-    from dayzero.model.footprint_v4 import chunk_shapes
+    from dayzero.model import footprint_v4
 
     replica = replica_run(config, axes, work)
     slots = -(-work.batch // int(axes.get("data", 1)))
+    page = footprint_v4.page_size(config, work)
 
     def memory(B: int, T: int, S: int) -> dict:
-        args = v4_serving_inputs(config, replica, slots, B, T, S)
+        args = v4_serving_inputs(config, replica, slots, B, T, S, page)
         return _memory(_forward_logits.lower(*args, config=config, parallel=replica.parallel))
 
     out: dict[str, Any] = {}
     if "decode" in stages:
-        out["decode"] = memory(slots, 1, work.context)
+        out["decode"] = memory(slots, 1, footprint_v4.decode_positions(work, page))
     if "prefill" in stages:
-        shapes = [{"T": T, "S": work.context if cached else 0, **memory(1, T, work.context if cached else 0)}
-                  for T, cached in chunk_shapes(work)]
+        shapes = [{"T": T, "S": S, **memory(1, T, S)} for T, S in footprint_v4.chunk_shapes(work, page)]
         out["prefill"] = {"shapes": shapes, "activations": max(r["activations"] for r in shapes)}
     return out
 
@@ -275,7 +283,7 @@ TEST_CONFIGS = {
     "test-dsa": dict(_DEEPSEEK, model_type="deepseek_v32", index_topk=512, index_n_heads=16, index_head_dim=64),
     "test-gqa": {"model_type": "llama", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
                  "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 8},
-    # The V4 tests' tiny DeepSeek-V4 (tests/v4_helpers.TINY, kept equal by tests/test_plan.py):
+    # The V4 tests' tiny DeepSeek-V4 (tests/v4_helpers.TINY, kept equal by tests/test_plan_states.py):
     # layers [sliding, CSA, HCA, CSA], CSA ratio 4, HCA 16, window 16, 4 heads of 64, 16 x 32 index heads.
     "test-v4": {
         "model_type": "deepseek_v4", "vocab_size": 256, "hidden_size": 64, "moe_intermediate_size": 32,
@@ -300,7 +308,8 @@ class Case:
     of each kind; ``fitted``: the copy counts were fitted on it (``Engine``'s decode, before
     the planner's decode became the serving decode; the serving decode's page gathers have no
     fitted count: their structure was read off the compiled buffers of gqa-dense-dp,
-    gqa-kv-int8, kimi-ep4-batch16, dsa-tp, deepseek-kv-fp8, test-mla and test-dsa)."""
+    gqa-kv-int8, kimi-ep4-batch16, dsa-tp, deepseek-kv-fp8, test-mla and test-dsa);
+    ``chunk_budget``: the serving engine's (``Workload``'s default unless given)."""
 
     model: str
     mesh: str
@@ -311,6 +320,7 @@ class Case:
     size: str = "reduced"
     cut: bool = False
     fitted: bool = False
+    chunk_budget: int = Workload.chunk_budget
 
     @property
     def axes(self) -> dict[str, int]:
@@ -332,7 +342,8 @@ class Case:
         """The planner's workload for this case, at ``dtype`` (XLA:CPU is checked in fp32: its
         bf16 matmuls convert their operands to fp32 copies no GPU makes)."""
         return Workload(devices=math.prod(self.axes.values()), device_memory=80 << 30, kv_cache=self.kv_cache,
-                        dtype=dtype, batch=self.batch, context=self.context, prefill_chunk=self.prefill_chunk)
+                        dtype=dtype, batch=self.batch, context=self.context, prefill_chunk=self.prefill_chunk,
+                        chunk_budget=self.chunk_budget)
 
 
 CASES = {
@@ -354,16 +365,19 @@ CASES = {
     "dsa-tp": Case("frontier-3t-1m", "tensor=8", 4, 2048, 256),
     "deepseek-kv-fp8": Case("deepseek-v3", "tensor=8", 4, 2048, 256, kv_cache="fp8"),
     "gqa-kv-int8": Case("llama3-8b", "tensor=8", 8, 2048, 256, kv_cache="int8"),
-    # DeepSeek-V4 (tiny, the serving forward over a slot cache: xla_v4_memory). Fitted: footprint_v4's
+    # DeepSeek-V4 (tiny, the serving forward over its paged pool: xla_v4_memory). Fitted: footprint_v4's
     # structure was read off the buffer assignments of v4-tp (copy counts, the indexer's two points),
-    # v4-ep (the tokens split over ``expert``) and v4-ep4 (one copy of unsplit keys, the fused slot
-    # gather); the others are held out.
+    # v4-ep (the tokens split over ``expert``) and v4-ep4 (one copy of the keys, the page gather fused
+    # into their concatenation); the others are held out. v4-paged: a context that is no power of
+    # two (each table reads 256 pages of 16, 4096 positions, for 3000) and a budget whose chunk
+    # front is two shapes (256 tokens over 2048 positions, 128 over 4096).
     "v4-tp": Case("test-v4", "tensor=2", 4, 4096, 64, fitted=True),
     "v4-ep": Case("test-v4", "tensor=2,expert=2", 8, 2048, 128, fitted=True),
     "v4-ep4": Case("test-v4", "expert=4", 8, 4096, 64, fitted=True),
     "v4-dp-kv-int8": Case("test-v4", "data=2,tensor=2", 8, 4096, 32, kv_cache="int8"),
     "v4-tp-chunk256": Case("test-v4", "tensor=2", 2, 4096, 256),
     "v4-ep-kv-int8": Case("test-v4", "tensor=2,expert=2", 16, 2048, 64, kv_cache="int8"),
+    "v4-paged": Case("test-v4", "tensor=2", 2, 3000, 256, chunk_budget=1 << 19),
 }
 V4_CASES = tuple(name for name, case in CASES.items() if case.model == "test-v4")
 

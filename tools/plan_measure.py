@@ -8,8 +8,10 @@ the engine builds it: random float weights, quantized as ``Engine.load(quantize=
 at load, handed to ``Engine(...)``, which resolves the run, re-blocks block scales for the mesh
 and places every leaf; the KV is the page pools a ``ServingEngine`` over that engine allocates for
 the rows and positions (the deployment's cache; each data replica's pool on its devices; for
-DeepSeek-V4, tiny configs rather than :func:`reduced`, its slot cache, and also the cache
-``Engine.generate`` allocates).
+DeepSeek-V4, tiny configs rather than :func:`reduced`, its paged pool with the slots' rings and
+compressor states, and also the cache ``Engine.generate`` allocates; for DeepSeek-V4 and a
+linear-attention hybrid (a tiny Qwen3-Next), the prefix cache's snapshot rows of the slots'
+states, ``PagedSteps.snapshots``, a component of their own).
 Per-device bytes are read back from the placed arrays, per component, and compared with
 ``planner.evaluate`` on the same reduced config, mesh and options: they must be equal. A shard's
 bytes are its elements times what the device really holds per element of its dtype, measured once
@@ -56,6 +58,18 @@ QWEN3_30B_A3B = {
     "rope_theta": 1000000.0, "tie_word_embeddings": False,
 }
 MODELS = ("deepseek-v3", "kimi-k2", "frontier-3t-1m", "llama3-8b", "qwen3-30b-a3b")
+# The linear-attention hybrid tests' tiny Qwen3-Next (tests/linear_helpers: QWEN_TEXT and QWEN_MOE,
+# a dense width of 40 for layer 0; kept equal by tests/test_plan_states.py): Gated DeltaNet and attention
+# layers alternating, 4 heads over 2 kv heads, 2 key and 4 value linear heads, 4 experts.
+TINY_HYBRID = {
+    "model_type": "qwen3_next", "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 3,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    "max_position_embeddings": 256, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+    "moe_intermediate_size": 12, "shared_expert_intermediate_size": 20, "num_experts": 4, "num_experts_per_tok": 2,
+    "intermediate_size": 40, "mlp_only_layers": [0],
+}
 
 
 def full_config(name: str):
@@ -184,12 +198,18 @@ def host_weights(config, quantize: str = "none", dtype: str = "bfloat16", seed: 
     return jax.device_get(quantize_weights(weights, abstract_weights(config, quant)))
 
 
-def serving_pools(engine, batch: int, context: int, page_size: int = 16) -> list:
-    """The page pools of a ``ServingEngine`` over ``engine`` sized to hold ``batch`` rows of
+def serving_steps(engine, batch: int, context: int, page_size: int = 16, settle: bool = True) -> list:
+    """The ``PagedSteps`` of a ``ServingEngine`` over ``engine`` sized to hold ``batch`` rows of
     ``context`` positions (``ceil(context / page_size)`` pages per row; with ``data`` > 1 one
-    pool per replica for its share of the rows, on its own devices): each replica's
-    ``PagedSteps.pool``. For DeepSeek-V4 that pool is a slot cache (``compressed_slots``: one
-    cache row of ``context`` positions per slot, a slot per row)."""
+    per replica for its share of the rows, on its own devices), the serving defaults otherwise.
+    Each holds the replica's page pool (``.pool``; for DeepSeek-V4 a
+    ``compressed_paged.PagedCompressedCache``: the entries and index keys in pages, a window ring
+    and compressor states per slot, a slot per row; ``page_size`` must then be a multiple of its
+    ratios, ``footprint_v4.page_size``) and, for a model with per-sequence states (a hybrid, V4),
+    the prefix cache's snapshot rows (``.snapshots``: ``ServingConfig.state_snapshots``' default,
+    4 per slot). ``settle``: make the copy a warmup makes first (``PagedSteps.warmup``: an
+    out-of-range snapshot row, which writes nothing), after which the snapshot rows are laid out as
+    the slot states; the engine makes a fresh tree whole on the first device."""
     from dayzero.engine.paged_steps import ServingConfig
     from dayzero.engine.serving import ServingEngine
 
@@ -197,7 +217,11 @@ def serving_pools(engine, batch: int, context: int, page_size: int = 16) -> list
     rows = -(-batch // replicas)
     config = ServingConfig(slots=rows, page_size=page_size, num_pages=rows * -(-context // page_size),
                            max_context=context)
-    return [replica.steps.pool for replica in ServingEngine(engine, config).replicas]
+    steps = [replica.steps for replica in ServingEngine(engine, config).replicas]
+    for st in steps:
+        if settle and st.snapshots is not None:
+            st.snapshot(0, st.serving.state_snapshots)
+    return steps
 
 
 def _components(tree: Any, plain: str, scales: str) -> list[tuple[str, str, Any]]:
@@ -219,29 +243,37 @@ def _components(tree: Any, plain: str, scales: str) -> list[tuple[str, str, Any]
     return out
 
 
-# Per-step int32 host inputs of the serving pools' tree (a slot cache's slot indices too), not KV
-# storage (the planner omits them).
+# Per-step int32 host inputs of the serving pools' tree (the state slots' indices too; a hybrid's
+# under its attention cache, ``attn/``), not KV storage (the planner omits them).
 HOST_INPUTS = ("block_tables", "slots", "lengths", "rope_len")
 
 
 def contiguous_cache(engine, batch: int, context: int):
     """The contiguous cache ``Engine.generate`` allocates for ``batch`` rows of ``context``
     positions (``init_cache`` with the engine's own cache shardings, as ``_prefill_chunks``
-    makes it): DeepSeek-V4's window rings, entries and compressor states, whose serving slot
-    cache has the same rows (``footprint_v4``)."""
+    makes it): DeepSeek-V4's window rings, entries and compressor states, the same bytes per
+    device as its serving pool where ``context`` is a whole number of pages (``footprint_v4``)."""
     from dayzero.model.cache import init_cache
 
     return init_cache(engine.config, batch, context, engine.weights.embed.dtype, engine.kv_cache,
                       engine._cache_shardings(batch, context))
 
 
-def cache_trees(engine, batch: int, context: int, page_size: int = 16, contiguous: bool = False) -> list:
-    """The KV the planner sizes, as the engine allocates it: the serving engine's pools
-    (:func:`serving_pools`: page pools, or DeepSeek-V4's slot cache, one row per slot), or with
+def cache_trees(engine, batch: int, context: int, page_size: int = 16, contiguous: bool = False,
+                settle: bool = True) -> list[tuple[Any, str, str]]:
+    """The KV the planner sizes, as the engine allocates it, as (tree, component of its values,
+    component of its scales): the serving engine's pools (:func:`serving_steps`: page pools, with
+    DeepSeek-V4's or a hybrid's per-slot states; ``kv_cache``, ``kv_scales``) and their prefix
+    caches' snapshot rows (``state_snapshots``, values and scales; ``settle`` as there), or with
     ``contiguous`` the cache ``Engine.generate`` allocates (:func:`contiguous_cache`)."""
     if contiguous:
-        return [contiguous_cache(engine, batch, context)]
-    return serving_pools(engine, batch, context, page_size)
+        return [(contiguous_cache(engine, batch, context), "kv_cache", "kv_scales")]
+    out = []
+    for steps in serving_steps(engine, batch, context, page_size, settle):
+        out.append((steps.pool, "kv_cache", "kv_scales"))
+        if steps.snapshots is not None:
+            out.append((steps.snapshots, "state_snapshots", "state_snapshots"))
+    return out
 
 
 # Elements allocated to measure one dtype's held size: 128 MiB at its numpy itemsize, above glibc's
@@ -288,11 +320,12 @@ def held_nbytes(x) -> int:
     return math.ceil(x.size * held_bytes_per_element(x.dtype.name))
 
 
-def placed_bytes(engine, batch: int, context: int, page_size: int = 16, contiguous: bool = False) -> dict:
+def placed_bytes(engine, batch: int, context: int, page_size: int = 16, contiguous: bool = False,
+                 settle: bool = True) -> dict:
     """Per-device bytes of the engine's placed weights and of the KV it allocates for ``batch``
     rows of ``context`` positions (:func:`cache_trees`: the serving pools, their block tables or
-    slot indices and lengths left out; ``contiguous``: ``Engine.generate``'s cache), per component (``weights``,
-    ``weight_scales``, ``kv_cache``, ``kv_scales``), summed over each array's addressable
+    slot indices and lengths left out, and their snapshot rows; ``contiguous``:
+    ``Engine.generate``'s cache), per component (:data:`COMPONENTS`), summed over each array's addressable
     shards device by device, each shard at the bytes the device holds (:func:`held_nbytes`:
     its elements times the measured bytes per element of its dtype, not ``nbytes``, which says
     1 for a 4-bit element held in half a byte): ``{"max": {component: the largest device's
@@ -300,8 +333,8 @@ def placed_bytes(engine, batch: int, context: int, page_size: int = 16, contiguo
     global shape, bytes per element): bytes on the device holding the most}}`` (groups: for
     locating a difference), and ``"per_element"``: the measured bytes per element of each dtype."""
     arrays = _components(engine.weights, "weights", "weight_scales")
-    for pool in cache_trees(engine, batch, context, page_size, contiguous):
-        arrays += [a for a in _components(pool, "kv_cache", "kv_scales") if a[0].split("/")[0] not in HOST_INPUTS]
+    for tree, plain, scales in cache_trees(engine, batch, context, page_size, contiguous, settle):
+        arrays += [a for a in _components(tree, plain, scales) if not set(a[0].split("/")) & set(HOST_INPUTS)]
     per_device: dict[str, dict[int, int]] = {c: defaultdict(int) for c in COMPONENTS}
     groups: dict[tuple, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for _, component, x in arrays:
@@ -309,13 +342,14 @@ def placed_bytes(engine, batch: int, context: int, page_size: int = 16, contiguo
             held = held_nbytes(shard.data)
             per_device[component][shard.device.id] += held
             groups[(component, tuple(x.shape), held_bytes_per_element(x.dtype.name))][shard.device.id] += held
+    devices = {d for sizes in per_device.values() for d in sizes}  # every device holding any array
     return {"max": {c: max(per_device[c].values(), default=0) for c in COMPONENTS},
-            "uneven": [c for c in COMPONENTS if len(set(per_device[c].values())) > 1],
+            "uneven": [c for c in COMPONENTS if len({per_device[c].get(d, 0) for d in devices}) > 1],
             "groups": {key: max(sizes.values()) for key, sizes in groups.items()},
             "per_element": {x.dtype.name: held_bytes_per_element(x.dtype.name) for _, _, x in arrays}}
 
 
-COMPONENTS = ("weights", "weight_scales", "kv_cache", "kv_scales")
+COMPONENTS = ("weights", "weight_scales", "kv_cache", "kv_scales", "state_snapshots")
 
 
 def planned_bytes(config, name: str, work, axes: dict[str, int]) -> dict:
@@ -342,13 +376,15 @@ def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "non
     row, with the arrays that differ (``differences``: per component, global shape and element
     size, the placed and the planned bytes on one device; the planner merges identical leaves,
     so arrays are matched by shape, not by name). The KV placed is the serving engine's pools,
-    as deployed (not ``Engine.generate``'s contiguous cache): page pools, or DeepSeek-V4's slot
-    cache, whose rows are also ``Engine.generate``'s cache's, compared too (``contiguous_kv_cache``,
-    ``contiguous_kv_scales``). Where the serving engine refuses DeepSeek-V4 (on a mesh, today:
-    ``serving_refused``) the KV measured is ``Engine.generate``'s cache alone (``kv_measured``),
-    its ``batch`` split over ``data`` where the planner counts a replica's rows whole: the same
-    bytes per device, under other global shapes in ``differences``."""
-    from dayzero.engine.runtime import RunConfigError
+    as deployed (not ``Engine.generate``'s contiguous cache), with pages of the planner's size
+    (``DecodeFootprint.page_size``: ``footprint_v4.page_size`` for DeepSeek-V4), and for a model
+    with per-sequence states (a hybrid, V4) the prefix cache's snapshot rows, laid out as after the
+    warmup's first copy (``fresh_state_snapshots``: the bytes on the device holding the most of a
+    fresh tree, before that copy, and whether devices differ). For DeepSeek-V4 ``Engine.generate``'s cache
+    is compared too (``contiguous_kv_cache``, ``contiguous_kv_scales``): its rows split over
+    ``data`` where the planner counts a replica's rows whole, and its entries in rows rather than
+    pages, the same bytes per device (``context`` a whole number of pages)."""
+    from dayzero.model.footprint import DecodeFootprint
     from dayzero.sharding.planner import Workload
 
     engine = build_engine(config, axes, quantize, kv_cache, dtype, weights=weights)
@@ -356,17 +392,16 @@ def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "non
     work = Workload(devices=devices, device_memory=1 << 40, quantize=quantize, kv_cache=kv_cache, dtype=dtype,
                     batch=batch, context=context)
     planned = planned_bytes(config, name, work, axes)
-    serving_refused = None
-    try:
-        placed = placed_bytes(engine, batch, context, work.page_size)
-    except RunConfigError as e:  # the serving engine does not run DeepSeek-V4 on a mesh yet
-        if config.compressed is None:
-            raise
-        serving_refused = str(e)
-        placed = placed_bytes(engine, batch, context, work.page_size, contiguous=True)
+    page = DecodeFootprint(config, name).page_size(work)
+    placed = placed_bytes(engine, batch, context, page)
     rows = {c: {"placed": placed["max"][c], "planner": planned["bytes"][c]} for c in COMPONENTS}
-    if config.compressed is not None and serving_refused is None:  # the slot rows are Engine.generate's too
-        alone = placed_bytes(engine, batch, context, work.page_size, contiguous=True)["max"]
+    fresh = None
+    if planned["bytes"]["state_snapshots"]:
+        before = placed_bytes(engine, batch, context, page, settle=False)
+        fresh = {"placed": before["max"]["state_snapshots"], "planner": planned["bytes"]["state_snapshots"],
+                 "uneven": "state_snapshots" in before["uneven"]}
+    if config.compressed is not None:
+        alone = placed_bytes(engine, batch, context, page, contiguous=True)["max"]
         rows.update({f"contiguous_{c}": {"placed": alone[c], "planner": planned["bytes"][c]}
                      for c in ("kv_cache", "kv_scales")})
     mine, theirs = placed["groups"], planned["groups"]
@@ -375,10 +410,10 @@ def compare_placed(name: str, config, axes: dict[str, int], quantize: str = "non
                    if mine.get(key) != theirs.get(key)]
     return {
         "model": name, "mesh": {a: n for a, n in axes.items() if n > 1}, "quantize": quantize, "kv_cache": kv_cache,
-        "dtype": dtype, "batch": batch, "context": context, "components": rows,
+        "dtype": dtype, "batch": batch, "context": context, "page_size": page, "components": rows,
         "equal": all(r["placed"] == r["planner"] for r in rows.values()), "differences": differences,
         "uneven": placed["uneven"], "refused": planned["refused"], "per_element": placed["per_element"],
-        "kv_measured": "contiguous" if serving_refused else "serving", "serving_refused": serving_refused,
+        "fresh_state_snapshots": fresh,
     }
 
 

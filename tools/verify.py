@@ -251,7 +251,7 @@ def load_reference(src: Path) -> Any:
     transformers.utils.logging.disable_progress_bar()  # its loading bar would clutter the report
     try:
         if src.is_dir():
-            model = AutoModelForCausalLM.from_pretrained(str(src), **kwargs)
+            model = _from_directory(src, kwargs)
         elif src.suffix == ".gguf":
             model = AutoModelForCausalLM.from_pretrained(str(src.parent), gguf_file=src.name, **kwargs)
         else:
@@ -265,6 +265,17 @@ def load_reference(src: Path) -> Any:
             f"transformers cannot load reference {src} ({first}); pass the checkpoint DST was converted from"
         ) from None
     return model.eval()
+
+
+def _from_directory(src: Path, kwargs: dict) -> Any:
+    """An HF directory as a causal LM, or (a multimodal composite such as Qwen3-VL-MoE, which has
+    no causal-LM class) as an image-text-to-text model, run on text."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(str(src))
+    if type(config) not in AutoModelForCausalLM._model_mapping and type(config) in AutoModelForImageTextToText._model_mapping:
+        return AutoModelForImageTextToText.from_pretrained(str(src), **kwargs)
+    return AutoModelForCausalLM.from_pretrained(str(src), **kwargs)
 
 
 def run_reference(src: Path, ids: list[int]) -> tuple[list[np.ndarray], np.ndarray]:
