@@ -20,9 +20,10 @@ Two ways to hold the states:
   rows, :func:`append_states` scatters the new ones back (rows without a real token write
   nothing). A slot needs no reset: a sequence's first chunk reads no cache (fresh states).
 
-The prefix cache cannot reuse pages for these models (a hit would need the states as they were
-at the page boundary; nothing snapshots them), so serving turns it off for them
-(``ServingConfig.resolve``); preemption recomputes a request, states included.
+A prefix-cache hit needs the states as they were at the reused prefix's end: serving copies a
+slot's states (``slot_states``) into snapshot rows at page boundaries and back into the slot of
+a request that reuses the prefix (``dayzero.engine.serving``); preemption recomputes a request,
+states included.
 """
 
 from __future__ import annotations
