@@ -26,6 +26,7 @@ from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
 from dayzero.model.parallel import Parallel
 from dayzero.model.quant import KVQuant, WeightQuant
+from dayzero.model.mrope import ImageInput, continuation
 from dayzero.model.transformer import forward
 from dayzero.model.cache import KVCache, append_to_cache, cache_specs, init_cache
 from dayzero.model.weights import (Weights, abstract_weights, aligned_weights, axis_sizes, mesh_aligned_specs,
@@ -105,14 +106,15 @@ def weight_specs(config: ModelConfig, run: RunConfig, untied_head: bool):
 
 
 def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights, tokens, num_new,
-                rows: RowSampling, step, mode: SamplingMode, cache=None) -> tuple:
+                rows: RowSampling, step, mode: SamplingMode, cache=None, images: ImageInput | None = None) -> tuple:
     """One step as :class:`Engine` jits it (prefill without a cache, decode with one).
 
     The forward pass (on a mesh with ``parallel``'s hand-written blocks: split latent attention,
     expert-parallel MoE) then sampling; returns the next tokens [B], their log-probabilities [B]
     and what ``append_to_cache`` writes. ``dayzero.tools.plan_check`` lowers the same function.
+    ``images``: M-RoPE positions and image entries of a step after or with images (Qwen VL).
     """
-    logits, new = forward(weights, config, tokens, cache, num_new, parallel=parallel)
+    logits, new = forward(weights, config, tokens, cache, num_new, parallel=parallel, images=images)
     next_tokens, logprobs = sample(logits, rows, step, mode)
     if parallel is not None:
         # Replicated: every process reads them back, and the next step gets the same layout
@@ -167,6 +169,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else config.eos_token_ids)
         self.compile_s = 0.0  # seconds spent compiling steps so far
+        # Image preprocessing of a multimodal model (None: the tower's sizes, the published pixel
+        # bounds; set it to the checkpoint's preprocessor_config.json where it differs).
+        self.image_config = None
         # Prefill (no cache to read: a first prompt) and decode are separate compiled functions.
         self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode",))
         self._decode = jax.jit(self._step_impl, static_argnames=("mode",))
@@ -245,26 +250,39 @@ class Engine:
 
     # ---- compiled pieces -------------------------------------------------------------------
 
-    def _step_impl(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache=None):
-        return engine_step(self.config, self._parallel, weights, tokens, num_new, rows, step, mode, cache)
+    def _step_impl(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache=None,
+                   images: ImageInput | None = None, rope_deltas=None):
+        if rope_deltas is not None:  # a text step after an image prompt: positions shifted per row
+            images = continuation(cache.lengths, tokens.shape[1], rope_deltas)
+        return engine_step(self.config, self._parallel, weights, tokens, num_new, rows, step, mode, cache, images)
 
     def _append_on_mesh(self, cache, new):
         cache = append_to_cache(cache, new)
         # The written cache keeps the layout it was made with, so the next step sees the same input.
         return jax.lax.with_sharding_constraint(cache, self._cache_shardings(*cache.lengths.shape, cache.max_len))
 
-    def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False) -> tuple:
-        """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty."""
-        key = (tokens.shape, cache.max_len, mode, fresh, np.ndim(step))  # a per-row step is another program
-        first = (key, "append") not in self._steps
+    def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False,
+                  images: ImageInput | None = None, rope_deltas=None) -> tuple:
+        """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty.
+        ``images`` (a prefill chunk of an image prompt) or ``rope_deltas`` [B] (a later step of
+        one): another program, told apart in the key by the image entry count."""
+        key = base = (tokens.shape, cache.max_len, mode, fresh, np.ndim(step))  # a per-row step: another program
+        extra = {}
+        if images is not None:
+            n = 0 if images.embeds is None else images.embeds.shape[0]
+            key, extra = key + ("images", n, len(images.deepstack)), {"images": self._host(images)}
+        elif rope_deltas is not None:
+            key, extra = key + ("rope_deltas",), {"rope_deltas": rope_deltas}
+        first = key not in self._steps
         start = time.perf_counter()
         step = self._host(np.int32(step))
         if fresh:
-            out = self._steps.call(self._prefill, key, self.weights, tokens, num_new, rows, step, static={"mode": mode})
+            out = self._steps.call(self._prefill, key, self.weights, tokens, num_new, rows, step, static={"mode": mode},
+                                   **extra)
         else:
             out = self._steps.call(self._decode, key, self.weights, tokens, num_new, rows, step, cache=cache,
-                                   static={"mode": mode})
-        cache = self._steps.call(self._append, (key, "append"), cache, out[2])
+                                   static={"mode": mode}, **extra)
+        cache = self._steps.call(self._append, (base, "append"), cache, out[2])
         if first:  # first call of this shape: account its compile (or load) time
             jax.block_until_ready(out[0])
             self.compile_s += time.perf_counter() - start
@@ -318,6 +336,7 @@ class Engine:
         ignore_eos: bool = False,
         on_text: Callable[[int, str], None] | None = None,
         speculative: SpecConfig | None = None,
+        images: Sequence | None = None,
     ) -> Completion | list[Completion]:
         """Generate a continuation for one prompt or a batch of prompts of any lengths.
 
@@ -327,6 +346,10 @@ class Engine:
         ``speculative``: decode speculatively (``dayzero.engine.speculative``), with the same
         output distribution (greedy: the same tokens); each completion reports its
         ``speculation`` counts. Refused (``SpeculativeError``) where the verify step cannot run.
+        ``images`` (Qwen3-VL / Qwen3.5 models): for one prompt, its images (anything
+        ``engine.images.load_image`` takes); for a batch, one such list per prompt. Each image's
+        one ``config.vision.image_token_id`` in the prompt (as the chat template writes it) is
+        expanded to the image's tokens (``Completion.prompt_ids`` holds the expanded ids).
         """
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         batch = [prompts] if single else list(prompts)
@@ -339,19 +362,59 @@ class Engine:
         if len(params) != len(batch):
             raise GenerationError(f"{len(params)} sampling settings for {len(batch)} prompts")
         ids = [self.prompt_ids(p, chat) for p in batch]
+        vision = None
+        if images is not None:
+            ids, vision = self._with_images(ids, [images] if single else list(images), max_new_tokens, speculative)
         for row in ids:
             self.check_length(row, max_new_tokens)
-        completions = self._generate_ids(ids, max_new_tokens, params, logprobs, ignore_eos, on_text, speculative)
+        completions = self._generate_ids(ids, max_new_tokens, params, logprobs, ignore_eos, on_text, speculative,
+                                         vision)
         return completions[0] if single else completions
 
+    def _with_images(self, ids: list[list[int]], images: list, max_new_tokens: int, speculative) -> tuple:
+        """The prompts' ids with their image placeholders expanded, and the encoded images
+        ``(grids, embeds, deepstack)`` of the batch (``vision_step``); raises
+        :class:`GenerationError` for a request with images this engine cannot serve."""
+        if self.config.vision is None or self.weights.vision is None:
+            raise GenerationError("this model has no vision tower; pass images only to a multimodal model "
+                                  "(Qwen3-VL, Qwen3.5)")
+        if speculative is not None or self.run.on_kernels:
+            raise GenerationError("images run on the reference path only; drop speculative decoding and use "
+                                  "--kernels reference")
+        if len(images) != len(ids):
+            raise GenerationError(f"{len(images)} image lists for {len(ids)} prompts; pass one list per prompt")
+        from dayzero.engine import vision_step  # image code loads only for image requests
+
+        if self.image_config is None:
+            self.image_config = vision_step.image_config_of(self.config)
+        processed, expanded = [], []
+        for b, (row, sources) in enumerate(zip(ids, images)):
+            done = vision_step.preprocess(sources, self.image_config)
+            try:
+                expanded.append(vision_step.expand_placeholders(row, done, self.config.vision.image_token_id))
+            except ValueError as e:
+                raise GenerationError(f"prompt {b + 1}: {e}") from None
+            context = self.config.max_position_embeddings
+            if len(expanded[-1]) + max_new_tokens > context:
+                raise GenerationError(
+                    f"prompt {b + 1} has {len(expanded[-1])} tokens with its images' "
+                    f"{sum(im.num_tokens for im in done)} image tokens, and --max-new-tokens is {max_new_tokens}: "
+                    f"more than the model's context of {context}; use fewer or smaller images")
+            processed += done
+        if not processed:
+            return expanded, None
+        embeds, deepstack = vision_step.encode(self.weights, self.config, processed)
+        return expanded, ([im.grid_thw for im in processed], embeds, deepstack)
+
     def stream_ids(
-        self, ids: list[list[int]], max_new_tokens: int, params: list[SamplingParams]
+        self, ids: list[list[int]], max_new_tokens: int, params: list[SamplingParams], vision=None
     ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """Yield ``(tokens [B], logprobs [B])`` for each generated position of a batch.
 
         No EOS handling and no input checks (``generate`` does both): the caller stops
         consuming when it has what it needs. Rows may have different prompt lengths. With a
         kernel mode the rows are served on the paged cache (``serving.stream_on_pages``).
+        ``vision``: the batch's encoded images (``_with_images``), its prompts already expanded.
         """
         if self.run.on_kernels:  # the kernels attend over pages: generate as a paged server does
             from dayzero.engine.serving import stream_on_pages  # serving imports this module
@@ -361,7 +424,13 @@ class Engine:
         lengths = np.array([len(r) for r in ids], np.int32)
         mode, rows = batch_sampling(params)
         rows = rows if self.placement is None else self._host(rows)
-        next_tok, logprob, cache = self._prefill_chunks(ids, lengths, max_new_tokens, rows, mode)
+        prefill = deltas = None
+        if vision is not None:
+            from dayzero.engine.vision_step import ImagePrefill
+
+            prefill = ImagePrefill.build(self.config, ids, lengths, *vision)
+            deltas = self._host(prefill.deltas)
+        next_tok, logprob, cache = self._prefill_chunks(ids, lengths, max_new_tokens, rows, mode, prefill)
         B = len(ids)
         ones = self._host(np.ones((B,), np.int32))
         for step in range(1, max_new_tokens + 1):
@@ -369,16 +438,18 @@ class Engine:
             if step < max_new_tokens:
                 # Dispatch the next step before reading this one back, so the host's
                 # bookkeeping overlaps the device's work (one wasted step at an early stop).
-                next_tok, logprob, cache = self._run_step(next_tok[:, None], cache, ones, rows, step, mode)
+                next_tok, logprob, cache = self._run_step(next_tok[:, None], cache, ones, rows, step, mode,
+                                                          rope_deltas=deltas)
             yield np.asarray(produced[0]), np.asarray(produced[1])
 
-    def _prefill_chunks(self, ids, lengths, max_new_tokens, rows, mode) -> tuple:
+    def _prefill_chunks(self, ids, lengths, max_new_tokens, rows, mode, images=None) -> tuple:
         """Prefill the prompts in chunks of at most ``PREFILL_CHUNK`` tokens.
 
         Each chunk attends to the cache written by the chunks before it, so attention memory is
         bounded by the chunk size times the cache length, not the prompt length squared (an
         8000-token SmolLM2 prompt in one piece peaked at 10.8 GB of RSS). A row whose prompt
-        ends in an earlier chunk keeps the token sampled there.
+        ends in an earlier chunk keeps the token sampled there. With ``images`` (a
+        ``vision_step.ImagePrefill``) each chunk gets its M-RoPE positions and image entries.
         """
         B, longest = len(ids), int(lengths.max())
         T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
@@ -394,14 +465,15 @@ class Engine:
             num_new = np.clip(lengths - start, 0, T).astype(np.int32)
             tok, lp, cache = self._run_step(
                 self._host(tokens[:, start : start + T]), cache, self._host(num_new), rows, 0, mode,
-                fresh=start == 0,
+                fresh=start == 0, images=None if images is None else images.chunk(start, T),
             )
             ends_here = self._host((lengths > start) & (lengths <= start + T))
             first_tok = tok if first_tok is None else jnp.where(ends_here, tok, first_tok)
             first_lp = lp if first_lp is None else jnp.where(ends_here, lp, first_lp)
         return first_tok, first_lp, cache
 
-    def _generate_ids(self, ids, max_new_tokens, params, want_logprobs, ignore_eos, on_text, speculative=None):
+    def _generate_ids(self, ids, max_new_tokens, params, want_logprobs, ignore_eos, on_text, speculative=None,
+                      vision=None):
         B = len(ids)
         out_ids: list[list[int]] = [[] for _ in range(B)]
         out_lp: list[list[float]] = [[] for _ in range(B)]
@@ -413,7 +485,8 @@ class Engine:
             stop_ids = () if ignore_eos else self.eos_ids
             steps = stream_speculative(self, ids, max_new_tokens, params, speculative, stop_ids, stats)
         else:  # one token per row and step
-            steps = ((t[:, None], lp[:, None], np.ones(B, int)) for t, lp in self.stream_ids(ids, max_new_tokens, params))
+            steps = ((t[:, None], lp[:, None], np.ones(B, int))
+                     for t, lp in self.stream_ids(ids, max_new_tokens, params, vision))
         for host_tok, host_lp, counts in steps:
             for b in np.flatnonzero(~done):
                 for j in range(counts[b]):

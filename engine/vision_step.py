@@ -1,0 +1,118 @@
+"""Images in ``Engine.generate`` for the Qwen multimodal models (Qwen3-VL(-MoE), Qwen3.5).
+
+Host side, once per request, before the prefill:
+
+- :func:`image_config_of` is the preprocessing of a model whose checkpoint carries no
+  preprocessor config: the tower's patch, merge and temporal sizes, the published pixel bounds;
+- :func:`expand_placeholders` turns each image's one ``image_token_id`` (as the chat template
+  writes it, between vision start and end) into the image's ``num_tokens`` placeholders;
+- :func:`encode` runs the tower once over all images of the batch, compiled per padded patch
+  count (a power of two), never inside the decode loop;
+- :class:`ImagePrefill` holds the M-RoPE positions of the padded prompt and the image entries,
+  and hands each prefill chunk its slice (:meth:`ImagePrefill.chunk`, columns relative to the
+  chunk, entries padded to a bucket so chunks share compiles); ``deltas`` [B] are what every
+  decode step's positions are shifted by (``mrope.continuation``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dayzero.engine.image_processing import ProcessedImage, QwenImageConfig, batch_pixels, preprocess_images
+from dayzero.model.config import ModelConfig
+from dayzero.model.mrope import ImageInput, rope_index
+from dayzero.model.vision_qwen import encode_images
+
+MIN_PATCH_BUCKET = 64  # patches per tower call, rounded up to a power of two from here
+MIN_ENTRY_BUCKET = 16  # image entries per prefill chunk, likewise
+
+
+def _pow2(n: int, minimum: int) -> int:
+    return 1 << max(n - 1, minimum - 1).bit_length()
+
+
+def image_config_of(config: ModelConfig) -> QwenImageConfig:
+    """The image preprocessing of ``config``'s vision tower (sizes from the tower, pixel bounds
+    and normalisation as the published Qwen3-VL / Qwen3.5 processors)."""
+    vc = config.vision
+    return QwenImageConfig(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
+                           temporal_patch_size=vc.temporal_patch_size)
+
+
+def preprocess(sources: Sequence, image_config: QwenImageConfig) -> list[ProcessedImage]:
+    """Every image of a request (anything ``engine.images.load_image`` accepts), preprocessed."""
+    return preprocess_images(list(sources), image_config)
+
+
+def expand_placeholders(ids: list[int], images: Sequence[ProcessedImage], image_token_id: int) -> list[int]:
+    """``ids`` with its k-th ``image_token_id`` repeated ``images[k].num_tokens`` times. Raises
+    ValueError when the prompt's placeholder count is not the image count."""
+    found = sum(1 for i in ids if i == image_token_id)
+    if found != len(images):
+        raise ValueError(f"the prompt has {found} image placeholders (token {image_token_id}) for {len(images)} "
+                         "images; put one placeholder per image, between the vision start and end tokens")
+    out, k = [], 0
+    for i in ids:
+        if i == image_token_id:
+            out += [i] * images[k].num_tokens
+            k += 1
+        else:
+            out.append(i)
+    return out
+
+
+def encode(weights, config: ModelConfig, images: Sequence[ProcessedImage]) -> tuple[jax.Array, list[jax.Array]]:
+    """The tower over ``images`` in one call, padded to a power-of-two patch count (one compile per
+    bucket): merged embeddings [N, D] (N: the images' tokens, in order) and DeepStack features."""
+    vc = config.vision
+    pixels, grids = batch_pixels(list(images))
+    padded = _pow2(pixels.shape[0], max(MIN_PATCH_BUCKET, vc.merge_unit))
+    padded = -(-padded // vc.merge_unit) * vc.merge_unit
+    return encode_images(weights.vision, vc, pixels, [tuple(g) for g in grids], padded_patches=padded)
+
+
+@dataclasses.dataclass
+class ImagePrefill:
+    """The image side of one batch's prefill."""
+
+    positions: np.ndarray  # [3, B, L] int32, M-RoPE positions (rope_index); L the longest prompt
+    deltas: np.ndarray  # [B] int32, rope deltas of the rows (0 for a row without images)
+    rows: np.ndarray  # [N] placeholder rows, in the order of the tower's output
+    cols: np.ndarray  # [N] placeholder columns in the padded prompt
+    embeds: jax.Array  # [N, D]
+    deepstack: tuple[jax.Array, ...]
+
+    @classmethod
+    def build(cls, config: ModelConfig, ids: Sequence[Sequence[int]], lengths: np.ndarray, grids, embeds,
+              deepstack) -> "ImagePrefill":
+        """From the prompts' expanded ``ids`` (``lengths`` tokens each), the images' ``grids`` in
+        order over the rows and the tower's output (``encode``)."""
+        vc = config.vision
+        tokens = np.zeros((len(ids), int(lengths.max())), np.int64)
+        for b, row in enumerate(ids):
+            tokens[b, :len(row)] = row
+        positions, deltas = rope_index(vc, tokens, grids, lengths)
+        mask = (tokens == vc.image_token_id) & (np.arange(tokens.shape[1])[None] < lengths[:, None])
+        rows, cols = np.nonzero(mask)  # row-major: the order of the images' merged tokens
+        if len(rows) != embeds.shape[0]:
+            raise ValueError(f"{len(rows)} image placeholders for {embeds.shape[0]} image embeddings")
+        return cls(positions, deltas, rows, cols, embeds, tuple(deepstack))
+
+    def chunk(self, start: int, T: int) -> ImageInput:
+        """The :class:`ImageInput` of the prefill chunk of tokens [start, start + T): its
+        positions, and its image entries (columns relative to the chunk) padded to a bucket."""
+        take = np.flatnonzero((self.cols >= start) & (self.cols < start + T))
+        idx = jnp.asarray(take, jnp.int32)
+        as_i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+        positions = self.positions[:, :, start:start + T]
+        # Past the longest prompt (the last chunk's padding, never attended) any position will do.
+        positions = np.pad(positions, [(0, 0), (0, 0), (0, T - positions.shape[2])], mode="edge")
+        out = ImageInput(position_ids=as_i32(positions), embeds=self.embeds[idx],
+                         rows=as_i32(self.rows[take]), cols=as_i32(self.cols[take] - start),
+                         deepstack=tuple(d[idx] for d in self.deepstack))
+        return out.padded(_pow2(len(take), MIN_ENTRY_BUCKET))
