@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Mapping
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -124,12 +124,19 @@ def vision_weights_from_state_dict(vc: VisionConfig, tensors: Mapping[str, np.nd
     # The spelling is the one its patch embedding has (so that a problem is named in it).
     prefix = next((p for p in VISION_PREFIXES if p + "patch_embed.proj.weight" in tensors), "")
     name_map = NameMap(vision_recipes(vc, prefix, ""), vision_name_map(vc).is_ignored)
-    recipes = plan(name_map, tensors, lambda name: tuple(np.shape(tensors[name])), "the vision state dict")
+    return weights_from_plan(name_map, tensors, vision_specs(vc), "vision")
+
+
+def weights_from_plan(name_map: NameMap, tensors: Mapping[str, np.ndarray], specs: Any, what: str) -> Any:
+    """The weight tree ``specs`` declares, filled from ``tensors`` through ``name_map`` as the
+    converter's :func:`~dayzero.convert.name_map.plan` lays it out (every tensor used, shapes as
+    the config implies), each leaf then checked against its spec (``what`` names the tower)."""
+    recipes = plan(name_map, tensors, lambda name: tuple(np.shape(tensors[name])), f"the {what} state dict")
     leaves = {r.target: r.apply(np.asarray(tensors[r.source])) for r in recipes}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(vision_specs(vc), is_leaf=is_spec)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     for path, spec in flat:
         if leaves[leaf_path(path)].shape != spec.shape:
-            raise ConvertError(f"vision leaf {leaf_path(path)} came out {leaves[leaf_path(path)].shape}, its spec says "
+            raise ConvertError(f"{what} leaf {leaf_path(path)} came out {leaves[leaf_path(path)].shape}, its spec says "
                                f"{spec.shape}")
     return jax.tree.unflatten(treedef, [np.ascontiguousarray(leaves[leaf_path(p)]) for p, _ in flat])
 

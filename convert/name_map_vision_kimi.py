@@ -29,17 +29,14 @@ import re
 from functools import partial
 from typing import Mapping
 
-import jax
 import numpy as np
 
 from dayzero.convert import transforms as T
 from dayzero.convert import transforms_linear as TL
-from dayzero.convert.errors import ConvertError
-from dayzero.convert.name_map import NameMap, Recipe, plan
-from dayzero.convert.name_map_vision import linear_recipe, norm_recipes, conv_patch
+from dayzero.convert.name_map import NameMap, Recipe
+from dayzero.convert.name_map_vision import conv_patch, linear_recipe, norm_recipes, weights_from_plan
 from dayzero.model.hf_config_vision_kimi import KimiVisionConfig
 from dayzero.model.vision_kimi_weights import KimiVisionWeights, kimi_vision_specs
-from dayzero.model.weights import is_spec, leaf_path
 
 # Buffers HF derives from the config (non-persistent; a file written while they were is still read).
 _DERIVED = re.compile(r"(^|\.)(rotary_emb\.(original_)?inv_freq|pos_emb\.time_position_embeddings)$")
@@ -133,12 +130,4 @@ def kimi_vision_weights_from_state_dict(kc: KimiVisionConfig, tensors: Mapping[s
     """The tower's and projector's weights (numpy leaves) from a state dict holding them only, in
     any of the map's spellings: checked by the converter's own :func:`~dayzero.convert.name_map.plan`
     (every tensor used, shapes as the config implies), then every leaf against its spec."""
-    recipes = plan(kimi_vision_name_map(kc, dst=""), tensors, lambda name: tuple(np.shape(tensors[name])),
-                   "the Kimi vision state dict")
-    leaves = {r.target: r.apply(np.asarray(tensors[r.source])) for r in recipes}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(kimi_vision_specs(kc), is_leaf=is_spec)
-    for path, spec in flat:
-        if leaves[leaf_path(path)].shape != spec.shape:
-            raise ConvertError(f"Kimi vision leaf {leaf_path(path)} came out {leaves[leaf_path(path)].shape}, its spec "
-                               f"says {spec.shape}")
-    return jax.tree.unflatten(treedef, [np.ascontiguousarray(leaves[leaf_path(p)]) for p, _ in flat])
+    return weights_from_plan(kimi_vision_name_map(kc, dst=""), tensors, kimi_vision_specs(kc), "Kimi vision")

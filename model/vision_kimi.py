@@ -41,7 +41,7 @@ from dayzero.model.norm import layer_norm
 from dayzero.model.quant import dequantized
 from dayzero.model.rope import static_inv_freq
 from dayzero.model.vision_kimi_weights import KimiVisionWeights
-from dayzero.model.vision_qwen import vision_attention, pad_patches, vision_mlp
+from dayzero.model.vision_qwen import num_patches, pad_patches, vision_attention, vision_mlp
 from dayzero.model.vision_weights import VisionBlockWeights
 
 Grid = tuple[int, int, int]  # (t, h, w) in patches, as the processor's image_grid_thw rows
@@ -82,11 +82,6 @@ def check_kimi_grids(kc: KimiVisionConfig, grids: Sequence[Sequence[int]]) -> tu
     if not out:
         raise ValueError("no image grids given; pass one (t, h, w) per image")
     return tuple(out)
-
-
-def num_patches(grids: Sequence[Grid]) -> int:
-    """How many patches (pixel_values rows) the images of ``grids`` have."""
-    return sum(t * h * w for t, h, w in grids)
 
 
 def num_embeddings(kc: KimiVisionConfig, grids: Sequence[Grid]) -> int:

@@ -150,11 +150,18 @@ def write_tiny_gguf(path: Path, model, pre: str = "gpt-2", quantize: dict | None
     Tensors named in ``quantize`` are stored in that type (the rest float32); ``split_max_tensors``
     splits the file as gguf-split does (``path`` then names no file: the parts are
     ``<stem>-0000i-of-0000n.gguf``)."""
-    quantize = quantize or {}
     w = gguf.GGUFWriter(path, GGUF_ARCHS[model.config.model_type], split_max_tensors=split_max_tensors)
     add_gguf_hparams(w, model.config)
     add_gguf_tokenizer(w, pre)
-    for name, value in gguf_tensors(model).items():
+    write_gguf_tensors(w, gguf_tensors(model), quantize)
+    return path
+
+
+def write_gguf_tensors(w: gguf.GGUFWriter, tensors: dict, quantize: dict | None = None) -> None:
+    """Add ``tensors`` to ``w`` (those named in ``quantize`` in that type, the rest float32) and
+    write the file out: header, metadata, tensors."""
+    quantize = quantize or {}
+    for name, value in tensors.items():
         if name in quantize:
             w.add_tensor(name, gguf.quants.quantize(value, quantize[name]), raw_dtype=quantize[name])
         else:
@@ -163,7 +170,6 @@ def write_tiny_gguf(path: Path, model, pre: str = "gpt-2", quantize: dict | None
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return path
 
 
 @pytest.mark.parametrize("tied", [False, True])

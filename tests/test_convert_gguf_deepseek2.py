@@ -24,14 +24,13 @@ from __future__ import annotations
 import gguf
 import numpy as np
 import pytest
-import torch
 
 from dayzero.convert import ConvertError, load_checkpoint
 from dayzero.model.config import Family
 from tests import test_deepseek
 from tests.convert_helpers import assert_fails, convert
 from tests.hf_helpers import MIN_ROUTER_GAP, all_logits, assert_logits_match, hf_logits, random_ids
-from tests.test_convert_gguf import add_gguf_tokenizer, byte_level_vocab
+from tests.test_convert_gguf import add_gguf_tokenizer, byte_level_vocab, write_gguf_tensors
 
 # All sizes differ, so a transform that mixes two of them up cannot pass; mscale == mscale_all_dim
 # as llama.cpp assumes (it stores only 0.1 * mscale_all_dim, as yarn_log_multiplier).
@@ -122,12 +121,7 @@ def write_deepseek2_gguf(path, model, split_kv_b: bool = True, edit=None):
     tensors = deepseek2_tensors(model, split_kv_b)
     if edit:
         edit(tensors)
-    for name, value in tensors.items():
-        w.add_tensor(name, np.ascontiguousarray(value, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf_tensors(w, tensors)
     return path
 
 

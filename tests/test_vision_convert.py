@@ -120,19 +120,29 @@ def _case(hf_factory, tmp_path_factory, name: str, model) -> SimpleNamespace:
     return SimpleNamespace(name=name, hf=model, hf_dir=hf_dir, dz_dir=dz_dir, config=config, weights=weights)
 
 
-@pytest.fixture(scope="module")
-def qwen35(hf_factory, tmp_path_factory):
-    config = transformers.Qwen3_5MoeConfig(text_config=QWEN35_TEXT, vision_config=VISION)
+def qwen35_case(hf_factory, tmp_path_factory, **top) -> SimpleNamespace:
+    """The tiny random Qwen3.5-MoE composite, converted (``top``: extra top-level config keys)."""
+    config = transformers.Qwen3_5MoeConfig(text_config=QWEN35_TEXT, vision_config=VISION, **top)
     model = _hf_composite(transformers.Qwen3_5MoeForConditionalGeneration, config, 3, "Qwen3_5MoeRMSNorm")
     return _case(hf_factory, tmp_path_factory, "qwen3_5_moe", model)
 
 
-@pytest.fixture(scope="module")
-def qwen3vl(hf_factory, tmp_path_factory):
+def qwen3vl_case(hf_factory, tmp_path_factory, **top) -> SimpleNamespace:
+    """The tiny random Qwen3-VL-MoE composite (DeepStack after layers 0 and 1), converted."""
     config = transformers.Qwen3VLMoeConfig(text_config=QWEN3VL_TEXT, vision_config={
-        **VISION, "deepstack_visual_indexes": [0, 1]})
+        **VISION, "deepstack_visual_indexes": [0, 1]}, **top)
     model = _hf_composite(transformers.Qwen3VLMoeForConditionalGeneration, config, 5)
     return _case(hf_factory, tmp_path_factory, "qwen3_vl_moe", model)
+
+
+@pytest.fixture(scope="module")
+def qwen35(hf_factory, tmp_path_factory):
+    return qwen35_case(hf_factory, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def qwen3vl(hf_factory, tmp_path_factory):
+    return qwen3vl_case(hf_factory, tmp_path_factory)
 
 
 @pytest.fixture(params=["qwen35", "qwen3vl"])

@@ -22,14 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from dayzero.model.cache import append_to_cache, init_cache
 from dayzero.model.mrope import ImageInput, continuation, image_input, rope_index
 from dayzero.model.rope import rope_cos_sin
 from dayzero.model.vision_qwen import encode_images
 from tests.hf_helpers import forward_jit
-from tests.test_vision_convert import QWEN3VL_TEXT, QWEN35_TEXT, VISION, _case, _hf_composite
+from tests.test_vision_convert import qwen3vl_case, qwen35_case
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
@@ -42,17 +41,12 @@ TOL = 1e-5  # relative to the largest logit; measured ~1e-6 (fp32 rounding)
 
 @pytest.fixture(scope="module")
 def qwen35(hf_factory, tmp_path_factory):
-    config = transformers.Qwen3_5MoeConfig(text_config=QWEN35_TEXT, vision_config=VISION, **TOKENS)
-    model = _hf_composite(transformers.Qwen3_5MoeForConditionalGeneration, config, 3, "Qwen3_5MoeRMSNorm")
-    return _case(hf_factory, tmp_path_factory, "qwen3_5_moe", model)
+    return qwen35_case(hf_factory, tmp_path_factory, **TOKENS)
 
 
 @pytest.fixture(scope="module")
 def qwen3vl(hf_factory, tmp_path_factory):
-    config = transformers.Qwen3VLMoeConfig(text_config=QWEN3VL_TEXT, vision_config={
-        **VISION, "deepstack_visual_indexes": [0, 1]}, **TOKENS)
-    model = _hf_composite(transformers.Qwen3VLMoeForConditionalGeneration, config, 5)
-    return _case(hf_factory, tmp_path_factory, "qwen3_vl_moe", model)
+    return qwen3vl_case(hf_factory, tmp_path_factory, **TOKENS)
 
 
 @pytest.fixture(params=["qwen35", "qwen3vl"])
