@@ -51,6 +51,7 @@ from dayzero.convert.name_map import (
 )
 from dayzero.convert.parallel import Piece, ReadAhead, parse_memory, schedule, stored_names
 from dayzero.convert.sources import Source, open_source
+from dayzero.convert.tokenizer_export import copy_preprocessor_config, image_config_in
 from dayzero.convert.staging import (
     LOCK, PROGRESS, Staging, create, file_stamps, keep_verified, kill_point, open_existing, partial_dir, refusal,
 )
@@ -210,6 +211,7 @@ def _plan(source: Source, dtype: str | None, quantize: str | None, placement: An
         config = parse_hf_config(source.hf_config)
     except ConfigError as e:
         raise ConvertError(f"{where}: {e}") from e
+    image_config_in(source.tokenizer_dir, config)  # a bad preprocessor config is refused before anything is written
     name_map = source.name_map(config)
     for layout in (name_map.recipes, *name_map.alternatives):
         check_targets(layout, config)
@@ -372,7 +374,7 @@ def _write_metadata(root: Path, source: Source, p: _Plan) -> list[str]:
     """The files around the weights (written again on resume: they are cheap and deterministic)."""
     (root / "config.json").write_text(json.dumps(p.config.to_json(), indent=1))
     (root / "hf_config.json").write_text(json.dumps(source.hf_config, indent=1))
-    return source.export_tokenizer(root)
+    return source.export_tokenizer(root) + copy_preprocessor_config(source.tokenizer_dir, root, p.config)
 
 
 def _convert_into(staging: Staging, source: Source, p: _Plan, progress: bool, threads: int,

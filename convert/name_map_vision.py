@@ -168,7 +168,12 @@ def _qwen_vl_text(c: ModelConfig) -> NameMap:
 
 def composite_name_map(c: ModelConfig) -> NameMap:
     """A multimodal checkpoint's map (module docstring): every text spelling with every spelling
-    of the tower, the published ones first; a tensor either part ignores is ignored."""
+    of the tower, the published ones first; a tensor either part ignores is ignored. Kimi-K2.5's
+    is ``dayzero.convert.name_map_vision_kimi``'s."""
+    from dayzero.convert.name_map_vision_kimi import KimiVisionConfig, kimi_composite_name_map
+
+    if isinstance(c.vision, KimiVisionConfig):
+        return kimi_composite_name_map(c)
     if c.linear is not None:
         from dayzero.convert.name_map_linear import linear_name_map
 

@@ -21,10 +21,23 @@ Targets start with ``dst`` (default ``vision/``, as the Qwen tower's map). PyTor
 are [out, in]; dayzero keeps the input first.
 
 :func:`kimi_vision_weights_from_state_dict` applies the map to an in-memory state dict (the tests).
+
+:func:`kimi_composite_name_map` is the whole Kimi-K2.5 checkpoint's (``name_map_vision.composite_name_map``
+hands a config with a :class:`KimiVisionConfig` here): the DeepSeek-V3 text model in three
+spellings, each paired with the tower's spelling the same writer uses:
+
+- Moonshot's published files: ``language_model.model.layers.{i}.``, ``language_model.model.{embed_tokens,
+  norm}``, ``language_model.lm_head``; experts per expert;
+- ``save_pretrained`` of transformers' ``Kimi_K25ForConditionalGeneration``: the same, but the layers
+  written back as ``language_model.model.blocks.{i}.`` (its loader's ``blocks -> layers`` rename,
+  meant for the tower, runs in reverse over the text model too, and its loader reads them back);
+- transformers' module names: ``model.language_model.layers.{i}.``, ``lm_head``; experts per expert
+  or fused (``mlp.experts.gate_up_proj``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from functools import partial
 from typing import Mapping
@@ -33,7 +46,8 @@ import numpy as np
 
 from dayzero.convert import transforms as T
 from dayzero.convert import transforms_linear as TL
-from dayzero.convert.name_map import NameMap, Recipe
+from dayzero.convert.name_map import _HF_IGNORED, NameMap, Recipe, _hf_experts, _hf_fused_experts, _hf_recipes
+from dayzero.model.config import ModelConfig
 from dayzero.convert.name_map_vision import conv_patch, linear_recipe, norm_recipes, weights_from_plan
 from dayzero.model.hf_config_vision_kimi import KimiVisionConfig
 from dayzero.model.vision_kimi_weights import KimiVisionWeights, kimi_vision_specs
@@ -131,3 +145,44 @@ def kimi_vision_weights_from_state_dict(kc: KimiVisionConfig, tensors: Mapping[s
     any of the map's spellings: checked by the converter's own :func:`~dayzero.convert.name_map.plan`
     (every tensor used, shapes as the config implies), then every leaf against its spec."""
     return weights_from_plan(kimi_vision_name_map(kc, dst=""), tensors, kimi_vision_specs(kc), "Kimi vision")
+
+
+# The text model's spellings (prefix of the decoder, word naming its layers, lm_head), each with
+# the tower spelling of the same writer and whether its experts may be fused (module docstring).
+_TEXT_SPELLINGS = (
+    ("language_model.model.", "layers", "language_model.lm_head.weight", "moonshot", False),
+    ("language_model.model.", "blocks", "language_model.lm_head.weight", "hf_saved", False),
+    ("model.language_model.", "layers", "lm_head.weight", "hf_modules", True),
+)
+_TEXT_LAYER = re.compile(r"^(?:language_model\.model\.(?:layers|blocks)|model\.language_model\.layers)\.(\d+)\.")
+
+
+def _text_recipes(c: ModelConfig, experts, prefix: str, layers: str, lm_head: str) -> tuple[Recipe, ...]:
+    """The DeepSeek-V3 text model's recipes (``name_map._hf_recipes`` under ``prefix``), its
+    decoder layers named ``{prefix}{layers}.{i}.`` and its output matrix ``lm_head``."""
+    def rename(name: str) -> str:
+        if name == "lm_head.weight":
+            return lm_head
+        return prefix + layers + name[len(prefix + "layers"):] if name.startswith(prefix + "layers.") else name
+
+    return tuple(dataclasses.replace(r, sources=tuple(rename(n) for n in r.sources))
+                 for r in _hf_recipes(c, experts, prefix))
+
+
+def kimi_composite_name_map(c: ModelConfig) -> NameMap:
+    """Kimi-K2.5's whole checkpoint (module docstring): text and tower under their writer's
+    spellings, Moonshot's first. Ignored: derived buffers, a tied model's ``lm_head`` copy and the
+    multi-token-prediction layers past ``num_layers`` (plain decoding never runs them)."""
+    layouts = []
+    for prefix, layers, lm_head, tower, may_fuse in _TEXT_SPELLINGS:
+        vision = kimi_vision_recipes(c.vision, tower)
+        for experts in (_hf_experts, _hf_fused_experts) if may_fuse and c.moe is not None else (_hf_experts,):
+            layouts.append(_text_recipes(c, experts, prefix, layers, lm_head) + vision)
+
+    def ignored(name: str) -> bool:
+        layer = _TEXT_LAYER.match(name)
+        return (bool(_HF_IGNORED.search(name) or _DERIVED.search(name))
+                or (c.tie_word_embeddings and name in ("lm_head.weight", "language_model.lm_head.weight"))
+                or (layer is not None and c.num_layers <= int(layer.group(1)) < c.num_layers + c.mtp_layers))
+
+    return NameMap(layouts[0], ignored, tuple(layouts[1:]))

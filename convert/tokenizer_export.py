@@ -4,6 +4,11 @@ From an HF directory the tokenizer files are copied as they are. A GGUF file has
 ``tokenizer.json``: llama.cpp stores the vocabulary, merges, token types and special ids as
 metadata, and names the pre-tokenizer (``tokenizer.ggml.pre``) after the model family. We rebuild
 a ``tokenizers.Tokenizer`` from that, splitting text the way llama.cpp does for that family.
+
+A multimodal model's image preprocessing (``preprocessor_config.json``: Qwen's HF keys or Kimi-K2.5's
+``media_proc_cfg``; or transformers 5's ``processor_config.json``) travels with the tokenizer files:
+checked against the vision tower before conversion starts (:func:`image_config_in`), copied as
+published, read back by ``Engine.load``.
 """
 
 from __future__ import annotations
@@ -16,11 +21,18 @@ from typing import Any, Callable
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from dayzero.convert.errors import ConvertError
+from dayzero.model.config import ModelConfig
+from dayzero.model.hf_config_vision_kimi import KimiVisionConfig
 
 HF_TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "generation_config.json", "chat_template.jinja",
 )
+# A multimodal model's image preprocessing, copied only when the model has a vision tower: the
+# file an image processor is saved in, or since transformers 5 the processor's own file, with the
+# image processor's keys under "image_processor" (which HF's loader reads first).
+PREPROCESSOR_CONFIG, PROCESSOR_CONFIG = "preprocessor_config.json", "processor_config.json"
+IMAGE_PROCESSOR_FILES = ((PROCESSOR_CONFIG, "image_processor"), (PREPROCESSOR_CONFIG, None))
 
 # llama.cpp token types (gguf.TokenType): CONTROL tokens are special, USER_DEFINED ones are
 # matched whole in the text but are ordinary text when decoded (e.g. ``<think>``).
@@ -67,10 +79,34 @@ _GPT4O_SPLIT = (
 _TEKKEN_SPLIT = _GPT4O_SPLIT.replace(_CONTRACTION, "").replace(r"\p{N}{1,3}", r"\p{N}")
 
 
-def _regex_then_bytes(split: str) -> pre_tokenizers.PreTokenizer:
+# Kimi-K2's tiktoken split (llama.cpp's "kimi-k2"): runs of Han characters first, then GPT-4o's
+# words with Han taken out of their letter classes (Oniguruma's ``&&`` class intersection, as in
+# Moonshot's pattern), numbers in runs of at most three digits; punctuation runs swallow trailing
+# newlines only.
+_HAN_FREE = r"&&[^\p{Han}]]"
+_KIMI_SPLIT = r"[\p{Han}]+|" + (
+    _GPT4O_SPLIT.replace(_UPPER, _UPPER[:-1] + _HAN_FREE).replace(_LOWER, _LOWER[:-1] + _HAN_FREE)
+    .replace(r"[\r\n/]*", r"[\r\n]*")
+)
+
+# DeepSeek-V3 / R1's three splits (llama.cpp's "deepseek-v3"), applied one after the other as its
+# tokenizer.json chains them: runs of at most three digits; runs of CJK ideographs U+4E00-U+9FA5
+# and kana U+3040-U+30FF; then words (an ASCII punctuation mark may lead a run of ASCII letters,
+# a non-letter that is not punctuation or a symbol may lead letters and marks), punctuation and
+# symbol runs that swallow trailing newlines, newlines, other whitespace.
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+
+
+def _regex_then_bytes(*splits: str) -> pre_tokenizers.PreTokenizer:
+    # Each split cuts the pieces the previous one left, keeping matches and gaps alike as pieces.
     return pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(split), behavior="isolated"),
-         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+        [pre_tokenizers.Split(Regex(split), behavior="isolated") for split in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
     )
 
 
@@ -90,6 +126,14 @@ def _tekken() -> pre_tokenizers.PreTokenizer:
     return _regex_then_bytes(_TEKKEN_SPLIT)
 
 
+def _kimi_k2() -> pre_tokenizers.PreTokenizer:
+    return _regex_then_bytes(_KIMI_SPLIT)
+
+
+def _deepseek3() -> pre_tokenizers.PreTokenizer:
+    return _regex_then_bytes(*_DEEPSEEK3_SPLITS)
+
+
 # tokenizer.ggml.pre -> pre-tokenizer (byte-level BPE vocabularies only).
 PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "gpt-2": _gpt2,
@@ -101,6 +145,8 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
     "deepseek-r1-qwen": _qwen2,
     "minimax-m2": _gpt4o,
     "tekken": _tekken,
+    "kimi-k2": _kimi_k2,
+    "deepseek-v3": _deepseek3,
 }
 
 
@@ -114,6 +160,82 @@ def copy_hf_tokenizer(src_dir: Path, dst: Path) -> list[str]:
     return copied
 
 
+def _tower_sizes(image: Any, vision: Any) -> dict[str, tuple[Any, Any]]:
+    """``{key: (preprocessor's value, tower's value)}`` of the sizes both must agree on."""
+    if isinstance(vision, KimiVisionConfig):
+        return {"patch_size": (image.patch_size, vision.patch_size),
+                "merge_size": ((image.merge_size,) * 2, tuple(vision.merge_kernel))}
+    return {"patch_size": (image.patch_size, vision.patch_size),
+            "merge_size": (image.merge_size, vision.spatial_merge_size),
+            "temporal_patch_size": (image.temporal_patch_size, vision.temporal_patch_size)}
+
+
+def _image_processor_dict(path: Path, nested: str | None) -> dict[str, Any] | None:
+    """The image processor keys ``path`` holds (under ``nested`` if given; None if it nests none).
+    Raises ValueError (json's included) for a file that is not JSON or holds no object there."""
+    raw = json.loads(path.read_text())
+    if nested is not None and isinstance(raw, dict):
+        if nested not in raw:
+            return None
+        raw = raw[nested]
+    if not isinstance(raw, dict):
+        raise ValueError(f"it holds a JSON {type(raw).__name__} where an object of image processor keys belongs")
+    return raw
+
+
+def _checked_image_config(directory: Path | None, config: ModelConfig) -> tuple[str, Any] | None:
+    """``(file name, image config)`` of :func:`image_config_in`, or None."""
+    if directory is None or config.vision is None:
+        return None
+    # Imported here: the image code is the engine's, and a text-only conversion never needs it.
+    from dayzero.engine.image_processing import KimiImageConfig, QwenImageConfig
+
+    kind = KimiImageConfig if isinstance(config.vision, KimiVisionConfig) else QwenImageConfig
+    for name, nested in IMAGE_PROCESSOR_FILES:
+        path = directory / name
+        if not path.is_file():
+            continue
+        fix = (f"fix the file, or remove it (with no image preprocessor config the tower's sizes and the "
+               f"published {kind.__name__} defaults apply)")
+        try:  # ImageConfigError is a ValueError, as are json's and UnicodeDecodeError
+            raw = _image_processor_dict(path, nested)
+            if raw is None:
+                continue
+            image = kind.from_preprocessor_config(raw)
+        except (TypeError, ValueError) as e:
+            raise ConvertError(f"{path} is not a usable image preprocessor config ({e}); {fix}") from None
+        wrong = [f"{k}={ours!r} where the vision tower has {tower!r}"
+                 for k, (ours, tower) in _tower_sizes(image, config.vision).items() if ours != tower]
+        if wrong:
+            raise ConvertError(f"{path} does not fit the model's vision tower ({'; '.join(wrong)}); {fix}")
+        return name, image
+    return None
+
+
+def image_config_in(directory: Path | None, config: ModelConfig) -> Any:
+    """The image preprocessing ``directory`` gives ``config``'s vision tower (a
+    ``dayzero.engine.image_processing`` ``KimiImageConfig`` for Kimi-K2.5's tower, else a
+    ``QwenImageConfig``), found as HF's image processor loader finds it: the ``image_processor``
+    object of ``processor_config.json``, else ``preprocessor_config.json``. None when the model has
+    no tower or the directory neither file.
+
+    Raises :class:`ConvertError` naming the file for one that is not a JSON object, that the
+    parser refuses (an unknown key, an unsupported switch), or whose patch sizes are not the tower's.
+    """
+    found = _checked_image_config(directory, config)
+    return None if found is None else found[1]
+
+
+def copy_preprocessor_config(src_dir: Path | None, dst: Path, config: ModelConfig) -> list[str]:
+    """Copy, as published, the file :func:`image_config_in` takes the image preprocessing from
+    (when ``config`` has a vision tower and the file checks out); return the names copied."""
+    found = _checked_image_config(src_dir, config)
+    if found is None:
+        return []
+    shutil.copyfile(src_dir / found[0], dst / found[0])
+    return [found[0]]
+
+
 def _byte_level_bpe(meta: Callable[[str], Any]) -> Tokenizer:
     """The BPE model, pre-tokenizer and decoder of a ``gpt2`` (byte-level BPE) vocabulary."""
     pre = meta("tokenizer.ggml.pre") or "gpt-2"
@@ -122,7 +244,11 @@ def _byte_level_bpe(meta: Callable[[str], Any]) -> Tokenizer:
             f"GGUF tokenizer.ggml.pre={pre!r} is not supported; supported: {', '.join(PRE_TOKENIZERS)}"
         )
     tokens = meta("tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ")) for m in meta("tokenizer.ggml.merges") or ()]
+    if meta("tokenizer.ggml.merges") is None:
+        # Without merges every byte would be a token of its own: wrong ids, silently.
+        raise ConvertError("GGUF tokenizer.ggml.merges is missing from a byte-level BPE vocabulary; "
+                           "convert the model's HF directory, or a GGUF written with its merges")
+    merges = [tuple(m.split(" ")) for m in meta("tokenizer.ggml.merges")]
     if any(len(m) != 2 for m in merges):
         raise ConvertError("GGUF tokenizer.ggml.merges has an entry that is not two tokens; the file is corrupt")
     vocab = {token: i for i, token in enumerate(tokens)}

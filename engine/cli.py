@@ -29,6 +29,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dayzero.convert.check import CheckError
     from dayzero.engine.default_model import DefaultModelError
     from dayzero.engine.generate import GenerationError
+    from dayzero.engine.images import ImageError
     from dayzero.engine.launch import LaunchError
     from dayzero.tools.peers import PeerError
     from dayzero.tools.plot import PlotError
@@ -43,8 +44,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dayzero.sharding.planner import PlanError
 
     return (
-        ConvertError, DefaultModelError, GenerationError, SamplingError, TokenizerError, ConfigError, MeshError,
-        QuantError, RunConfigError, ServeError, CompileCacheError,
+        ConvertError, DefaultModelError, GenerationError, ImageError, SamplingError, TokenizerError, ConfigError,
+        MeshError, QuantError, RunConfigError, ServeError, CompileCacheError,
         BenchError, PeerError, PlotError, SoakError,
         VerifyError, CheckError, LaunchError, PlanError,
     )
@@ -130,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     prompt.add_argument("--prompt", help="prompt text")
     prompt.add_argument("--prompt-ids", help="prompt as comma-separated token ids")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--image", action="append", metavar="PATH",
+                   help="an image file (PNG, JPEG, WebP, GIF, BMP) for a multimodal model (Qwen3-VL, Qwen3.5); "
+                        "repeat for several. With --prompt it implies --chat: the chat template places the images "
+                        "before the text; with --prompt-ids, put one image placeholder id per image")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     g.add_argument("--top-k", type=int, default=0)
@@ -138,8 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logprobs", action="store_true", help="with --json, add each token's log-probability")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--speculative", choices=["ngram"],
-                   help="speculative decoding with this drafter (ngram: prompt lookup); same output distribution")
+    g.add_argument("--speculative", metavar="ngram|draft:DIR",
+                   help="speculative decoding with this drafter (ngram: prompt lookup; draft:DIR: the converted "
+                        "small model in DIR, same tokenizer); same output distribution")
     g.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
     g.add_argument("--ngram", metavar="MIN,MAX", help="suffix lengths the ngram drafter looks up (default 2,4)")
     _add_quant_args(g)
@@ -287,16 +293,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
     speculative = _speculative(args)
+    images = _images(args.image)  # read before the model loads: a bad file fails fast
     engine = Engine.load(args.model, placement=placement, **options_from_args(args))
+    chat = args.chat
+    if images is not None and isinstance(prompt, str):
+        prompt, chat = _image_chat_ids(engine, prompt, len(images)), False
     stream = None if args.json else (lambda _row, text: print(text, end="", flush=True))
     result = engine.generate(
         prompt,
         max_new_tokens=args.max_new_tokens,
         sampling=sampling,
-        chat=args.chat,
+        chat=chat,
         logprobs=args.logprobs,
         on_text=stream,
         speculative=speculative,
+        images=images,
     )
     if args.json:
         out = result.to_json()
@@ -309,8 +320,34 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _images(paths: list[str] | None) -> list | None:
+    """``--image`` files decoded to RGB (an unreadable one raises ``ImageError`` naming it)."""
+    if paths is None:
+        return None
+    from dayzero.engine.images import ImageError, load_image
+
+    images = []
+    for i, path in enumerate(paths):
+        try:
+            images.append(load_image(path))
+        except ImageError as e:
+            raise ImageError(f"--image {i + 1} of {len(paths)}: {e}") from None
+    return images
+
+
+def _image_chat_ids(engine, text: str, images: int) -> list[int]:
+    """``--prompt`` with ``--image``: one user turn through the chat template, the images'
+    placeholders before the text."""
+    if engine.tokenizer is None:
+        raise CommandError("--image with --prompt needs the model's tokenizer and chat template, which this model "
+                           "lacks; pass --prompt-ids with one image placeholder id per image")
+    return engine.tokenizer.encode_chat(text, images=images)
+
+
 def _speculative(args: argparse.Namespace):
-    """``generate``'s speculative-decoding options as a ``SpecConfig`` (None without ``--speculative``)."""
+    """``generate``'s speculative-decoding options as a ``SpecConfig`` (None without ``--speculative``);
+    ``draft:DIR`` loads the draft model."""
+    from dayzero.engine.runtime import options_from_args
     from dayzero.engine.speculative import SpecConfig
 
     if args.speculative is None:
@@ -318,12 +355,25 @@ def _speculative(args: argparse.Namespace):
             raise CommandError("--num-draft-tokens and --ngram set speculative decoding; add --speculative ngram")
         return None
     options = {"num_draft_tokens": args.num_draft_tokens} if args.num_draft_tokens is not None else {}
+    kind, _, draft_dir = args.speculative.partition(":")
+    if kind == "draft":
+        if not draft_dir:
+            raise CommandError("--speculative draft needs the draft model's directory: --speculative draft:DIR")
+        if args.ngram is not None:
+            raise CommandError("--ngram sets the ngram drafter; drop it with --speculative draft:DIR")
+        from dayzero.engine.generate import Engine
+
+        # The draft runs as the target does (weight and KV storage), on one device, on the reference path.
+        run = dict(options_from_args(args), kernels="reference")
+        return SpecConfig("draft", draft=Engine.load(draft_dir, progress=False, **run), **options)
+    if args.speculative != "ngram":
+        raise CommandError(f"--speculative {args.speculative!r} is unknown; use ngram or draft:DIR")
     if args.ngram is not None:
         try:
             options["ngram"] = tuple(int(n) for n in args.ngram.split(","))
         except ValueError:
             raise CommandError(f"--ngram {args.ngram!r} is not two integers MIN,MAX; pass e.g. --ngram 1,3") from None
-    return SpecConfig(args.speculative, **options)
+    return SpecConfig("ngram", **options)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -206,9 +206,11 @@ class Engine:
         converted with ``--quantize`` is used as stored. ``kv_cache``: none, int8 or fp8.
         ``kernels``: reference, pallas or pallas_interpret. ``capacity_factor`` and
         ``grouped_matmul``: the expert-parallel MoE dispatch (``dayzero.model.parallel``).
+        A multimodal checkpoint's ``preprocessor_config.json`` becomes ``image_config``.
         """
         from dayzero.convert import load_checkpoint
         from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization
+        from dayzero.convert.tokenizer_export import image_config_in
         from dayzero.engine.default_model import default_model_dir
 
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
@@ -224,7 +226,11 @@ class Engine:
             weights = quantize_weights(weights, abstract_weights(config, run.quant))
         # A model converted without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
-        return cls(config, weights, tokenizer, run=run)
+        engine = cls(config, weights, tokenizer, run=run)
+        # A multimodal checkpoint's own preprocessor_config.json (copied by convert); None keeps
+        # the tower's sizes with the published pixel bounds (vision_step.image_config_of).
+        engine.image_config = image_config_in(model_dir, config)
+        return engine
 
 
     # ---- placement -------------------------------------------------------------------------
@@ -357,7 +363,7 @@ class Engine:
             raise GenerationError("no prompts given")
         check_max_new_tokens(max_new_tokens)
         if speculative is not None:
-            check_speculative(self.config, self.run)
+            check_speculative(self.config, self.run, speculative)
         params = [sampling] * len(batch) if isinstance(sampling, SamplingParams) else list(sampling)
         if len(params) != len(batch):
             raise GenerationError(f"{len(params)} sampling settings for {len(batch)} prompts")
@@ -372,39 +378,47 @@ class Engine:
         return completions[0] if single else completions
 
     def _with_images(self, ids: list[list[int]], images: list, max_new_tokens: int, speculative) -> tuple:
-        """The prompts' ids with their image placeholders expanded, and the encoded images
-        ``(grids, embeds, deepstack)`` of the batch (``vision_step``); raises
-        :class:`GenerationError` for a request with images this engine cannot serve."""
-        if self.config.vision is None or self.weights.vision is None:
-            raise GenerationError("this model has no vision tower; pass images only to a multimodal model "
-                                  "(Qwen3-VL, Qwen3.5)")
-        if speculative is not None or self.run.on_kernels:
-            raise GenerationError("images run on the reference path only; drop speculative decoding and use "
-                                  "--kernels reference")
+        """The prompts' ids with their image placeholders expanded, and each prompt's preprocessed
+        images (None if no prompt has any); raises :class:`GenerationError` for a request with
+        images this engine cannot serve."""
+        if speculative is not None:
+            raise GenerationError("speculative decoding does not take images yet; drop --speculative for image "
+                                  "prompts")
         if len(images) != len(ids):
             raise GenerationError(f"{len(images)} image lists for {len(ids)} prompts; pass one list per prompt")
+        processed, expanded = [], []
+        for b, (row, sources) in enumerate(zip(ids, images)):
+            try:
+                row, done = self.image_prompt(row, sources, max_new_tokens, self.config.max_position_embeddings)
+            except GenerationError as e:
+                raise GenerationError(f"prompt {b + 1}: {e}") from None
+            expanded.append(row)
+            processed.append(done)
+        return expanded, processed if any(processed) else None
+
+    def image_prompt(self, ids: list[int], sources: Sequence, max_new_tokens: int, context: int) -> tuple:
+        """One prompt's images (anything ``engine.images.load_image`` takes) preprocessed, and its
+        ids with each image's placeholder expanded to the image's tokens: ``(ids, images)``.
+        Raises :class:`GenerationError` naming the problem: no vision tower, an unreadable
+        image, a placeholder count that is not the image count, more tokens than ``context``."""
+        if self.config.vision is None or self.weights.vision is None:
+            raise GenerationError("this model has no vision tower; pass images only to a multimodal model "
+                                  "(Qwen3-VL, Qwen3.5, Kimi-K2.5)")
         from dayzero.engine import vision_step  # image code loads only for image requests
 
         if self.image_config is None:
             self.image_config = vision_step.image_config_of(self.config)
-        processed, expanded = [], []
-        for b, (row, sources) in enumerate(zip(ids, images)):
-            done = vision_step.preprocess(sources, self.image_config)
-            try:
-                expanded.append(vision_step.expand_placeholders(row, done, self.config.vision.image_token_id))
-            except ValueError as e:
-                raise GenerationError(f"prompt {b + 1}: {e}") from None
-            context = self.config.max_position_embeddings
-            if len(expanded[-1]) + max_new_tokens > context:
-                raise GenerationError(
-                    f"prompt {b + 1} has {len(expanded[-1])} tokens with its images' "
-                    f"{sum(im.num_tokens for im in done)} image tokens, and --max-new-tokens is {max_new_tokens}: "
-                    f"more than the model's context of {context}; use fewer or smaller images")
-            processed += done
-        if not processed:
-            return expanded, None
-        embeds, deepstack = vision_step.encode(self.weights, self.config, processed)
-        return expanded, ([im.grid_thw for im in processed], embeds, deepstack)
+        try:
+            done = vision_step.preprocess(list(sources), self.image_config)
+            expanded = vision_step.expand_placeholders(ids, done, self.config.vision.image_token_id)
+        except ValueError as e:  # engine.images.ImageError, a placeholder count
+            raise GenerationError(str(e)) from None
+        if len(expanded) + max_new_tokens > context:
+            raise GenerationError(
+                f"the prompt has {len(expanded)} tokens with its images' {sum(im.num_tokens for im in done)} "
+                f"image tokens, and max_new_tokens is {max_new_tokens}: more than the context of {context}; "
+                "use fewer or smaller images")
+        return expanded, done
 
     def stream_ids(
         self, ids: list[list[int]], max_new_tokens: int, params: list[SamplingParams], vision=None
@@ -414,21 +428,25 @@ class Engine:
         No EOS handling and no input checks (``generate`` does both): the caller stops
         consuming when it has what it needs. Rows may have different prompt lengths. With a
         kernel mode the rows are served on the paged cache (``serving.stream_on_pages``).
-        ``vision``: the batch's encoded images (``_with_images``), its prompts already expanded.
+        ``vision``: each prompt's preprocessed images (``_with_images``), its placeholders already
+        expanded in ``ids``; the tower runs once over all of them.
         """
         if self.run.on_kernels:  # the kernels attend over pages: generate as a paged server does
             from dayzero.engine.serving import stream_on_pages  # serving imports this module
 
-            yield from stream_on_pages(self, ids, max_new_tokens, params)
+            yield from stream_on_pages(self, ids, max_new_tokens, params, vision)
             return
         lengths = np.array([len(r) for r in ids], np.int32)
         mode, rows = batch_sampling(params)
         rows = rows if self.placement is None else self._host(rows)
         prefill = deltas = None
         if vision is not None:
-            from dayzero.engine.vision_step import ImagePrefill
+            from dayzero.engine import vision_step
 
-            prefill = ImagePrefill.build(self.config, ids, lengths, *vision)
+            images = [im for row in vision for im in row]
+            embeds, deepstack = vision_step.encode(self.weights, self.config, images)
+            prefill = vision_step.ImagePrefill.build(self.config, ids, lengths, [im.grid_thw for im in images],
+                                                     embeds, deepstack)
             deltas = self._host(prefill.deltas)
         next_tok, logprob, cache = self._prefill_chunks(ids, lengths, max_new_tokens, rows, mode, prefill)
         B = len(ids)

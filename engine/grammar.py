@@ -75,14 +75,24 @@ class Grammars:
         self.vocab_size = vocab_size
         # llguidance needs room for every token the tokenizer knows; the masks are cut to the model's width
         self._matcher_vocab = max(vocab_size, tokenizer.vocab_size)
-        self._tokenizer = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=self._matcher_vocab,
-                                                 eos_token=list(stop_token_ids))
+        self._tokenizer = None
+        # Why structured output cannot run (None: it can). A tokenizer llguidance cannot read (no
+        # EOS, a decoder it does not know) refuses structured output, not the whole server.
+        self.unavailable: str | None = None
+        try:
+            self._tokenizer = llguidance.LLTokenizer(tokenizer._tok.to_str(), n_vocab=self._matcher_vocab,
+                                                     eos_token=list(stop_token_ids))
+        except ValueError as e:
+            self.unavailable = f"llguidance cannot read this model's tokenizer: {_short(str(e))}"
 
     def constraint(self, fmt: ResponseFormat | None) -> GrammarConstraint | None:
         """A fresh constraint for ``fmt`` (None for free text); a schema llguidance cannot compile
         answers 400."""
         if fmt is None or fmt.type == "text":
             return None
+        if self.unavailable:
+            raise APIError(400, f"structured output is unavailable for this model ({self.unavailable}); "
+                                "drop response_format", param="response_format")
         from llguidance import LLMatcher
 
         if fmt.type == "json_object":

@@ -52,6 +52,7 @@ from dayzero.model.compressed_paged import PagedCompressedCache, page_multiple
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
 from dayzero.model.linear_cache import HybridCache
+from dayzero.model.mrope import ImageInput, continuation
 from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, paged_cache_specs, with_written
 from dayzero.model.parallel import Parallel
 from dayzero.model.transformer import forward
@@ -246,9 +247,17 @@ def _sampled(logits, params, steps, mask, mode, top, layout):
     return _pinned(out, layout)
 
 
+def _image_positions(images, rope_deltas, lengths, T: int):
+    """The ``ImageInput`` of a step: a prefill chunk's own (``images``), a text step's after an
+    image prompt (positions shifted by the rows' ``rope_deltas``), or None (plain positions)."""
+    return continuation(lengths, T, rope_deltas) if rope_deltas is not None else images
+
+
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel"))
-def _forward_logits(weights, tokens, num_new, cache, *, config, kernels=KernelMode.REFERENCE, parallel=None):
-    return forward(weights, config, tokens, cache, num_new, kernels=kernels, parallel=parallel)
+def _forward_logits(weights, tokens, num_new, cache, images=None, rope_deltas=None, *, config,
+                    kernels=KernelMode.REFERENCE, parallel=None):
+    images = _image_positions(images, rope_deltas, None if cache is None else cache.lengths, tokens.shape[1])
+    return forward(weights, config, tokens, cache, num_new, kernels=kernels, parallel=parallel, images=images)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
@@ -257,11 +266,13 @@ def _append(pool, new, layout=None):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel", "layout"), donate_argnames=("pool",))
-def _forward_in_place(weights, tokens, pool, num_new, *, config, kernels, parallel=None, layout=None):
+def _forward_in_place(weights, tokens, pool, num_new, images=None, rope_deltas=None, *, config, kernels,
+                      parallel=None, layout=None):
     # One jit for the forward and the page writes, with the pool donated: each layer writes the
     # new tokens into its pages before the kernel reads them (see dayzero.model.kernel_attention).
+    images = _image_positions(images, rope_deltas, pool.lengths, tokens.shape[1])
     view = kernel_view(pool, num_new, kernels, tuple(config.sliding_windows), HeadSplit.of(parallel))
-    logits, view = forward(weights, config, tokens, view, num_new, parallel=parallel)
+    logits, view = forward(weights, config, tokens, view, num_new, parallel=parallel, images=images)
     return logits, _pinned(with_written(pool, view), layout)
 
 
@@ -399,7 +410,8 @@ class PagedSteps:
         self.pool = _restore(self.pool, self.snapshots, *self._host((np.int32(slot), np.int32(row))), layout=self.layout)
 
     def run_step(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
-                 width: int | None, slots: np.ndarray | None = None) -> jax.Array:
+                 width: int | None, slots: np.ndarray | None = None, images: ImageInput | None = None,
+                 rope_deltas: np.ndarray | None = None) -> jax.Array:
         """Forward ``tokens`` [B,T] (``num_new`` real per row) after each row's ``lengths``
         cached positions, write their keys/values into the pages of ``tables`` [B, full width]
         and return the logits of each row's last real token [B,V] (on the device).
@@ -407,34 +419,45 @@ class PagedSteps:
         ``width``: the table width the attention reads (None: nothing cached, read nothing).
         ``slots`` [B]: each row's serving slot, whose state rows a model with per-slot states
         (a hybrid, DeepSeek-V4) reads and writes (default: slot 0 for every row; ignored by others).
+        ``images``: the M-RoPE positions and image entries of a prefill chunk of an image prompt;
+        ``rope_deltas`` [B]: the rows' position shifts in a decode step after image prompts (each
+        another program, compiled on first use: ``warmup`` compiles the text-only steps).
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
         tables = self._slotted(tables, slots)
-        fn, signature, args, static = self._forward_call(tokens, num_new, lengths, tables, width)
+        fn, signature, args, static = self._forward_call(tokens, num_new, lengths, tables, width, images,
+                                                         rope_deltas)
         with self._compiling(signature) as done:
             if fn is _forward_in_place:
                 logits, self.pool = _STEPS.call(fn, signature, *args, static=static)
             else:
                 logits, new = _STEPS.call(fn, signature, *args, static=static)
-                self.pool = _STEPS.call(_append, ("append", signature[1]), self._with_rows(tables, lengths), new,
+                # The write's shape is the step's (its image variants write alike).
+                self.pool = _STEPS.call(_append, ("append", signature[1][:4]), self._with_rows(tables, lengths), new,
                                         static=dict(layout=self.layout))
             done(logits)
         return logits
 
-    def _forward_call(self, tokens, num_new, lengths, tables, width) -> tuple:
+    def _forward_call(self, tokens, num_new, lengths, tables, width, images=None, rope_deltas=None) -> tuple:
         """(jitted forward, its signature, arguments, statics) of a ``run_step``: on the kernels,
         the forward that writes the pages in place; else the forward whose new keys/values
         ``_append`` writes."""
         # What tells this step apart from every other serving step of the process (the pool's shape).
         s = self.serving
         key = (self.config, self.run, (s.num_pages, s.page_size, s.slots), (*tokens.shape, width))
+        extra = ()
+        if images is not None:  # told apart by the (bucketed) image entry count
+            n = 0 if images.embeds is None else images.embeds.shape[0]
+            key, extra = key + ("images", n, len(images.deepstack)), (self._host(images), None)
+        elif rope_deltas is not None:
+            key, extra = key + ("rope_deltas",), (None, self._host(np.asarray(rope_deltas, np.int32)))
         statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
         tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
         if self.reads_in_place(width):
-            return _forward_in_place, ("in_place", key), (self.weights, tokens, read, num_new), dict(
+            return _forward_in_place, ("in_place", key), (self.weights, tokens, read, num_new, *extra), dict(
                 statics, layout=self.layout)
-        return _forward_logits, ("logits", key), (self.weights, tokens, num_new, read), statics
+        return _forward_logits, ("logits", key), (self.weights, tokens, num_new, read, *extra), statics
 
     @contextlib.contextmanager
     def _compiling(self, signature: tuple):

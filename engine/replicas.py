@@ -61,6 +61,8 @@ class ReplicatedServing(ServingEngine):
         self.replicas = [ServingEngine(Engine(engine.config, engine.weights, engine.tokenizer,
                                               run=on_placement(engine.run, engine.config, placement)), config)
                          for placement in replica_placements(engine.placement)]
+        for replica in self.replicas:  # images are preprocessed as the engine was told to
+            replica.engine.image_config = engine.image_config
         self.config = self.replicas[0].config
         self.steps = self.replicas[0].steps  # one replica's steps (every replica runs the same shapes)
         self._ids = itertools.count()

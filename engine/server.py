@@ -1,7 +1,9 @@
 """``dayzero serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) on the serving engine.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (both
-streamable as server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus).
+streamable as server-sent events), ``GET /health``, ``GET /metrics`` (Prometheus). Chat messages
+may carry images as ``image_url`` parts with data URLs (multimodal models; the server fetches
+nothing): they are decoded off the event loop and travel with the request to ``submit``.
 
 One thread, the step loop (``dayzero.engine.server_loop``), owns the ``ServingEngine``; each
 HTTP request becomes ``n`` engine requests (one per choice, seeds ``seed``, ``seed + 1``, ...; a
@@ -76,16 +78,45 @@ class _Server:
             raise APIError(400, str(e), param="prompt") from None
         return self._fits(ids, "prompt")
 
-    def chat_ids(self, body: ChatRequest) -> list[int]:
-        """The conversation through the model's chat template, as token ids."""
+    def chat_ids(self, body: ChatRequest) -> tuple[list[int], list[str]]:
+        """The conversation through the model's chat template, as token ids (one placeholder per
+        image, where the template writes it), and the data URLs of its images in order."""
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions with token ids")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        urls = [url for m in body.messages for url in m.image_urls()]
+        if urls and (self.engine.config.vision is None or self.engine.weights.vision is None):
+            raise APIError(400, f"this model has no vision tower, so it takes no images ({len(urls)} sent); send text "
+                                "only, or serve a multimodal model (Qwen3-VL, Qwen3.5, Kimi-K2.5)", param="messages")
+        messages = [{"role": m.role, "content": m.template_content()} for m in body.messages]
         try:
-            ids = self.tokenizer.encode(self.tokenizer.render_chat(messages), add_special_tokens=False)
+            ids = self.tokenizer.encode_messages(messages)
         except TokenizerError as e:
             raise APIError(400, str(e), param="messages") from None
-        return self._fits(ids, "messages")
+        return (self._fits(ids, "messages") if not urls else ids), urls
+
+    def load_images(self, ids: list[int], urls: list[str]) -> tuple[list, int]:
+        """The images of a chat request decoded (a worker thread runs this: decoding takes a
+        while), and the tokens they add to the prompt beyond their placeholders; 400 naming an
+        unreadable image, or the image that overflows the context."""
+        from dayzero.engine import vision_step
+        from dayzero.engine.image_processing import num_image_tokens
+        from dayzero.engine.images import ImageError, load_image
+
+        config = self.engine.image_config or vision_step.image_config_of(self.engine.config)
+        images, added = [], 0
+        for i, url in enumerate(urls):
+            try:
+                image = load_image(url)
+                added += num_image_tokens(image.height, image.width, config) - 1  # its placeholder is counted
+            except ImageError as e:
+                raise APIError(400, f"image {i + 1} of {len(urls)}: {e}", param="messages") from None
+            images.append(image)
+            if len(ids) + added >= self.max_context:  # refused before decoding the rest
+                raise APIError(400, f"the prompt has {len(ids) + added} tokens with its first {i + 1} of {len(urls)} "
+                                    f"images, which leaves no room in this server's context of {self.max_context} "
+                                    "tokens; send fewer or smaller images", param="messages",
+                               code="context_length_exceeded")
+        return images, added
 
     def _fits(self, ids: list[int], param: str) -> list[int]:
         if len(ids) >= self.max_context:
@@ -94,14 +125,17 @@ class _Server:
                            code="context_length_exceeded")
         return ids
 
-    def submissions(self, body, prompts: list[list[int]], max_tokens: int | None, sink) -> list[Submission]:
-        """One submission per prompt and choice, indexed prompt-major as OpenAI numbers choices."""
+    def submissions(self, body, prompts: list[list[int]], max_tokens: int | None, sink, images: list | None = None,
+                    image_tokens: int = 0) -> list[Submission]:
+        """One submission per prompt and choice, indexed prompt-major as OpenAI numbers choices.
+        ``images``: those of the (one) prompt, which take ``image_tokens`` more than their
+        placeholders."""
         body.check_supported()
         base = body.seed if body.seed is not None else random.getrandbits(32)
         top = (body.top_logprobs or 0) if isinstance(body, ChatRequest) else (body.logprobs or 0)
         subs = []
         for p, ids in enumerate(prompts):
-            room = self.max_context - len(ids)
+            room = self.max_context - len(ids) - image_tokens
             default = room if isinstance(body, ChatRequest) else min(COMPLETION_MAX_TOKENS, room)
             for i in range(body.n):
                 try:
@@ -111,7 +145,7 @@ class _Server:
                     raise APIError(400, str(e)) from None
                 subs.append(Submission(p * body.n + i, ids, max_tokens or default, params, sink,
                                        stops=body.stop_strings(), ignore_eos=body.ignore_eos, top_logprobs=top,
-                                       constraint=self._constraint(body)))
+                                       constraint=self._constraint(body), images=images))
         return subs
 
     def _constraint(self, body):
@@ -168,13 +202,14 @@ def _sink(queue: asyncio.Queue):
     return sink
 
 
-async def _handle(server: _Server, request: Request, body, prompts: list[list[int]], max_tokens: int | None, chat: bool):
+async def _handle(server: _Server, request: Request, body, prompts: list[list[int]], max_tokens: int | None, chat: bool,
+                  images: list | None = None, image_tokens: int = 0):
     queue: asyncio.Queue = asyncio.Queue()
-    subs = server.submissions(body, prompts, max_tokens, _sink(queue))
+    subs = server.submissions(body, prompts, max_tokens, _sink(queue), images, image_tokens)
     logprobs = body.logprobs if chat else body.logprobs is not None
     shaper = Shaper(chat, server.options.model_name, server.tokenizer, bool(logprobs), body.return_token_ids)
     await server.start(subs, queue)
-    prompt_tokens = sum(len(p) for p in prompts)
+    prompt_tokens = sum(len(p) for p in prompts) + image_tokens  # as the model sees them: images expanded
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(_stream(server, subs, queue, shaper, prompt_tokens, include_usage),
@@ -292,7 +327,10 @@ def create_app(serving, options: ServerOptions) -> FastAPI:
     async def chat(body: ChatRequest, request: Request):
         """OpenAI chat completions through the model's chat template."""
         server.check_model(body.model)
-        return await _handle(server, request, body, [server.chat_ids(body)], body.requested_max_tokens(), chat=True)
+        ids, urls = server.chat_ids(body)
+        images, added = (await asyncio.to_thread(server.load_images, ids, urls)) if urls else (None, 0)
+        return await _handle(server, request, body, [ids], body.requested_max_tokens(), chat=True, images=images,
+                             image_tokens=added)
 
     return app
 

@@ -53,6 +53,7 @@ class Submission:
     ignore_eos: bool = False
     top_logprobs: int = 0
     constraint: Any = None
+    images: list | None = None  # the prompt's images (one placeholder each in ``prompt_ids``)
     arrival: float = dataclasses.field(default_factory=time.monotonic)
     request_id: int | None = None  # the engine's, once submitted
     cancelled: bool = False
@@ -222,10 +223,11 @@ class StepLoop:
         if sub.cancelled:
             self._release(1)
             return
+        extra = {} if sub.images is None else {"images": sub.images}  # text requests: the plain call
         try:
             sub.request_id = self.serving.submit(sub.prompt_ids, max_new_tokens=sub.max_new_tokens,
                                                  sampling=sub.sampling, ignore_eos=sub.ignore_eos,
-                                                 top_logprobs=sub.top_logprobs, constraint=sub.constraint)
+                                                 top_logprobs=sub.top_logprobs, constraint=sub.constraint, **extra)
         except Exception as e:  # noqa: BLE001 - GenerationError and friends: the client's 400
             self._release(1)
             self._record("error", sub, None, 0)

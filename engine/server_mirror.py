@@ -9,7 +9,9 @@ command through JAX's own runtime (``multihost_utils.broadcast_one_to_all``, a c
 every device), and the other processes (:func:`follow`) replay it on their engines and step too.
 Their engines then hold the same requests in the same slots, and sample the same tokens: sampling
 depends only on a request's own seed, parameters and logits (the seed of a request without one is
-drawn by the leader's HTTP layer, so it is in the record).
+drawn by the leader's HTTP layer, so it is in the record). Images travel in the record as PNG:
+lossless, so every process decodes the same pixels (a large image makes its step's record a large
+second broadcast).
 
 What travels per step: one broadcast of ``FIRST`` bytes (the payload's length, the command, and
 the JSON payload of what changed when it fits), and a second broadcast, padded to a power of two
@@ -25,7 +27,9 @@ follower whose leader died is ended by the runtime's heartbeat timeout, see
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import io
 import json
 import logging
 import os
@@ -96,6 +100,16 @@ def _sampling_record(sampling: SamplingParams) -> dict:
     return dataclasses.asdict(sampling)
 
 
+def _png_base64(image) -> str:
+    """An image input (anything ``load_image`` takes; the engine accepted it) as base64 PNG of
+    its RGB pixels, which every process decodes to the same array."""
+    from dayzero.engine.images import load_image
+
+    out = io.BytesIO()
+    load_image(image).save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode("ascii")
+
+
 class LeaderServing:
     """Process 0's serving engine as the step loop sees it: the engine's interface, each state
     change recorded and broadcast before the next step (see the module docstring)."""
@@ -112,18 +126,21 @@ class LeaderServing:
         return getattr(self._serving, name)
 
     def submit(self, prompt, *, max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
-               ignore_eos: bool = False, top_logprobs: int = 0, constraint=None) -> int:
+               ignore_eos: bool = False, top_logprobs: int = 0, constraint=None, images=None) -> int:
         """``ServingEngine.submit`` (token ids only), recorded once the engine accepted it. A
-        constraint must carry its grammar text (other processes rebuild it from that)."""
+        constraint must carry its grammar text (other processes rebuild it from that); images
+        travel as PNG (lossless: every process decodes the same pixels)."""
         grammar = None if constraint is None else getattr(constraint, "grammar", None)
         if constraint is not None and not isinstance(grammar, str):
             # Checked before the engine queues it: a request only this process held would split the run.
             raise MirrorError(f"constraint {constraint!r} has no grammar text; multi-process serving needs a "
                               "GrammarConstraint (engine/grammar.py)")
+        extra = {} if images is None else {"images": images}
         rid = self._serving.submit(prompt, max_new_tokens=max_new_tokens, sampling=sampling, ignore_eos=ignore_eos,
-                                   top_logprobs=top_logprobs, constraint=constraint)
-        self._ops.append(["submit", rid, [int(t) for t in prompt], max_new_tokens, _sampling_record(sampling),
-                          ignore_eos, top_logprobs, grammar])
+                                   top_logprobs=top_logprobs, constraint=constraint, **extra)
+        record = ["submit", rid, [int(t) for t in prompt], max_new_tokens, _sampling_record(sampling), ignore_eos,
+                  top_logprobs, grammar]
+        self._ops.append(record + ([] if images is None else [[_png_base64(image) for image in images]]))
         return rid
 
     def cancel(self, request_id: int) -> bool:
@@ -204,10 +221,12 @@ def _replay(serving, grammars, op: list) -> None:
     elif kind == "completion":
         serving.completion(rid)
     elif kind == "submit":
-        prompt, max_new_tokens, sampling, ignore_eos, top_logprobs, grammar = op[2:]
+        prompt, max_new_tokens, sampling, ignore_eos, top_logprobs, grammar = op[2:8]
         constraint = None if grammar is None else grammars.from_grammar(grammar)
+        # A request with images carries them as base64 PNGs (LeaderServing.submit).
+        extra = {"images": [base64.b64decode(image) for image in op[8]]} if len(op) > 8 else {}
         got = serving.submit(prompt, max_new_tokens=max_new_tokens, sampling=SamplingParams(**sampling),
-                             ignore_eos=ignore_eos, top_logprobs=top_logprobs, constraint=constraint)
+                             ignore_eos=ignore_eos, top_logprobs=top_logprobs, constraint=constraint, **extra)
         if got != rid:
             raise MirrorError(f"process 0 submitted request {rid} but this process's engine numbered it {got}; "
                               "the processes' engines have diverged")

@@ -108,24 +108,66 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's ``detail`` values; the model's own preprocessing decides
+
+
 class ChatMessage(BaseModel):
-    """One message of a conversation; ``content`` may be a list of text parts."""
+    """One message of a conversation; ``content`` may be a list of text and ``image_url`` parts."""
 
     model_config = ConfigDict(extra="ignore")
     role: StrictStr
     content: StrictStr | list[dict[str, Any]] | None = None
 
-    def text(self) -> str:
-        """The message's text (text parts joined; other part types are refused)."""
+    def template_content(self) -> str | list[dict[str, str]]:
+        """``content`` as the chat template takes it: the text, or, when the message has images,
+        its parts in order as ``{"type": "text", "text"}`` and ``{"type": "image"}`` (where a
+        multimodal template writes the image's placeholder)."""
+        parts = self._parts()
+        if all(part["type"] == "text" for part in parts):
+            return "".join(part["text"] for part in parts)
+        return [{"type": "image"} if part["type"] == "image_url" else part for part in parts]
+
+    def image_urls(self) -> list[str]:
+        """The data URLs of the message's ``image_url`` parts, in order."""
+        return [part["url"] for part in self._parts() if part["type"] == "image_url"]
+
+    def _parts(self) -> list[dict[str, str]]:
+        """The content as checked parts, ``{"type": "text", "text"}`` and ``{"type": "image_url",
+        "url"}``; 400 naming anything else."""
         if self.content is None or isinstance(self.content, str):
-            return self.content or ""
+            return [{"type": "text", "text": self.content or ""}]
         parts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"message content part {part.get('type')!r} is not supported; send text parts",
-                               param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+            kind = part.get("type")
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url":
+                if self.role != "user":
+                    raise APIError(400, f"image_url parts go in user messages only, not in a {self.role!r} "
+                                        "message; move the image to a user message", param="messages")
+                parts.append({"type": "image_url", "url": _image_url(part.get("image_url"))})
+            else:
+                raise APIError(400, f"message content part {kind!r} is not supported; send text and image_url "
+                                    "parts", param="messages")
+        return parts
+
+
+def _image_url(value: Any) -> str:
+    """The data URL of an ``image_url`` part (``{"url", "detail"}`` or the URL alone); 400 for
+    a missing or remote URL (the server fetches nothing) or an unknown ``detail``."""
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise APIError(400, 'an image_url part needs {"url": "data:image/png;base64,..."}', param="messages")
+    detail = (value.get("detail") or "auto") if isinstance(value, dict) else "auto"
+    if detail not in IMAGE_DETAILS:
+        raise APIError(400, f"image_url detail {detail!r} is not one of {', '.join(IMAGE_DETAILS)}; send one of "
+                            "those or leave it out", param="messages")
+    if not url.startswith("data:"):
+        shown = url if len(url) <= 100 else url[:100] + "..."
+        raise APIError(400, f"image_url {shown!r} is not a data URL: this server fetches nothing over the network "
+                            "(nor reads its own files), so only data URLs are accepted; send the image inline as "
+                            "data:image/png;base64,<base64 bytes>", param="messages")
+    return url
 
 
 class ChatRequest(_Sampling):

@@ -104,7 +104,8 @@ def _compiled_engine(args: argparse.Namespace, placement):
     start = time.perf_counter()
     grammars = _grammars(engine)
     # Every variant a request can ask for: masks (structured output) and top logprobs too.
-    shapes = 0 if args.no_warmup else serving.warmup(constrained=grammars is not None, top_logprobs=True)
+    constrained = grammars is not None and not grammars.unavailable
+    shapes = 0 if args.no_warmup else serving.warmup(constrained=constrained, top_logprobs=True)
     print(f"dayzero: compiled {shapes} step shapes in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return serving, grammars
 
@@ -115,4 +116,7 @@ def _grammars(engine):
         return None
     from dayzero.engine.grammar import Grammars
 
-    return Grammars(engine.tokenizer, engine.config.vocab_size, engine.eos_ids)
+    grammars = Grammars(engine.tokenizer, engine.config.vocab_size, engine.eos_ids)
+    if grammars.unavailable:
+        print(f"dayzero: structured output is off: {grammars.unavailable}", file=sys.stderr, flush=True)
+    return grammars

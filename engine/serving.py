@@ -58,6 +58,7 @@ from dayzero.engine.paged_steps import (PagedSteps, RowParams, Sampled, ServingC
                                         sampling_mode)
 from dayzero.engine.paging import PagePool, PoolExhausted, SnapshotPool, page_hashes
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenConstraint, allow_all, mask_words
+from dayzero.engine.serving_images import RequestImages
 
 
 class ConstraintError(GenerationError):
@@ -124,6 +125,7 @@ class _Request:
     computed: int = 0  # positions whose keys/values are in the pages
     slot: int | None = None
     restore: int | None = None  # the snapshot row its slot's states come from at admission
+    images: RequestImages | None = None  # an image prompt's images (``serving_images``)
     admitted: int = -1  # admission order (preemption takes the latest)
     finish_reason: str | None = None
 
@@ -183,16 +185,21 @@ class ServingEngine:
 
     def submit(self, prompt: str | Sequence[int], *, max_new_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), chat: bool = False, ignore_eos: bool = False,
-               logprobs: bool = False, top_logprobs: int = 0, constraint: TokenConstraint | None = None) -> int:
+               logprobs: bool = False, top_logprobs: int = 0, constraint: TokenConstraint | None = None,
+               images: Sequence | None = None) -> int:
         """Queue one request (text or token ids); returns its id. Validation as ``Engine.generate``,
         plus the serving limits (``max_context``).
 
         ``top_logprobs`` (0..20): each of its Events carries that many most likely tokens with
         their logprobs. ``constraint``: restricts every token it generates (see the module
         docstring); the request stops ("stop") once ``constraint.is_terminated()``.
+        ``images`` (multimodal models): the prompt's images (anything ``engine.images.load_image``
+        takes), one ``config.vision.image_token_id`` placeholder each in the prompt, as in
+        ``Engine.generate``; preprocessed here (a bad image raises :class:`GenerationError`),
+        encoded at the request's first prefill chunk.
         """
         return self._enqueue(self._request(prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs,
-                                           top_logprobs, constraint))
+                                           top_logprobs, constraint, images))
 
     def _enqueue(self, request: _Request) -> int:
         """Queue a validated request; returns the id it is known by here."""
@@ -200,7 +207,7 @@ class ServingEngine:
         return request.id
 
     def _request(self, prompt, max_new_tokens, sampling, chat, ignore_eos, logprobs, top_logprobs=0,
-                 constraint=None) -> _Request:
+                 constraint=None, images=None) -> _Request:
         """A validated request (raises :class:`GenerationError` naming the bad value)."""
         check_max_new_tokens(max_new_tokens)
         if not isinstance(sampling, SamplingParams):
@@ -212,6 +219,11 @@ class ServingEngine:
             raise GenerationError(f"constraint={constraint!r} is not a TokenConstraint (it needs next_mask, "
                                   "accept and is_terminated)")
         ids = self.engine.prompt_ids(prompt, chat)
+        with_images = None
+        if images is not None:
+            context = min(self.config.max_context, self.engine.config.max_position_embeddings)
+            ids, processed = self.engine.image_prompt(ids, images, max_new_tokens, context)
+            with_images = RequestImages.of(ids, processed, self.engine.config.vision.image_token_id)
         self.engine.check_length(ids, max_new_tokens)
         if len(ids) + max_new_tokens > self.config.max_context:
             raise GenerationError(
@@ -219,7 +231,7 @@ class ServingEngine:
                 f"this server's max_context of {self.config.max_context}; shorten the request or "
                 "raise max_context")
         return _Request(next(self._ids), list(ids), max_new_tokens, sampling, ignore_eos, logprobs, list(ids),
-                        key_data(sampling.seed), top_logprobs, constraint)
+                        key_data(sampling.seed), top_logprobs, constraint, images=with_images)
 
     @property
     def has_work(self) -> bool:
@@ -362,7 +374,7 @@ class ServingEngine:
         with one page of growth left for every running request; whether it did."""
         matched = []
         if self.config.prefix_cache:
-            r.hashes = page_hashes(r.tokens, self.config.page_size, r.hashes)
+            r.hashes = page_hashes(self._hashed(r), self.config.page_size, r.hashes)
             # Leave at least one token to compute: its logits give the next token.
             matched = self.pool.match_prefix(r.hashes[: (len(r.tokens) - 1) // self.config.page_size])
             matched = self._restorable(r, matched)
@@ -436,8 +448,9 @@ class ServingEngine:
         T, W, n = self._chunk(r)
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = r.tokens[start : start + n]
+        images = None if r.images is None else r.images.chunk(self.engine, r.tokens[: r.prefill_target], start, T)
         logits = self.steps.run_step(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W,
-                                     np.array([r.slot]))
+                                     np.array([r.slot]), images=images)
         self._written(r, n)
         self._snapshot(r)
         self.stats.prefill_tokens += n
@@ -456,7 +469,11 @@ class ServingEngine:
             tokens[row], num_new[row], lengths[row], steps[row] = r.tokens[-1], 1, r.computed, r.generated
             slots[row] = r.slot
         width = self.config.table_width(max(self.config.pages_for(r.computed + 1) for r in decoding))
-        logits = self.steps.run_step(tokens[:, None], num_new, lengths, self._tables(decoding, B), width, slots)
+        # Rows after an image prompt are shifted (M-RoPE); a batch with none runs the plain step.
+        deltas = np.array([r.images.rope_delta if r.images else 0 for r in decoding] + [0] * (B - len(decoding)),
+                          np.int32)
+        logits = self.steps.run_step(tokens[:, None], num_new, lengths, self._tables(decoding, B), width, slots,
+                                     rope_deltas=deltas if deltas.any() else None)
         for r in decoding:
             self._written(r, 1)
         self.stats.decode_steps += 1
@@ -512,10 +529,16 @@ class ServingEngine:
             return
         full = r.computed // self.config.page_size
         if full > r.registered:
-            r.hashes = page_hashes(r.tokens[: full * self.config.page_size], self.config.page_size, r.hashes[:full])
+            r.hashes = page_hashes(self._hashed(r)[: full * self.config.page_size], self.config.page_size,
+                                   r.hashes[:full])
             for i in range(r.registered, full):
                 self.pool.register(r.pages[i], r.hashes[i])
             r.registered = full
+
+    @staticmethod
+    def _hashed(r: _Request) -> list[int]:
+        """What ``r``'s pages are hashed over: its tokens, image placeholders keyed by their images."""
+        return r.tokens if r.images is None else r.images.hash_tokens(r.tokens)
 
     def _snapshot(self, r: _Request) -> None:
         """After a prefill chunk: with state snapshots, copy ``r``'s slot states if the chunk ended
@@ -560,19 +583,24 @@ class ServingEngine:
         r.slot = None
 
 
-def stream_on_pages(engine: Engine, ids: list[list[int]], max_new_tokens: int,
-                    params: list[SamplingParams]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def stream_on_pages(engine: Engine, ids: list[list[int]], max_new_tokens: int, params: list[SamplingParams],
+                    images: list | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """``Engine.stream_ids`` on the paged cache, the way an engine whose run configuration names a
     kernel mode generates (its steps attend on the kernels): the rows are served concurrently, one
-    slot each, and their tokens handed out position by position as every row has produced it."""
+    slot each, and their tokens handed out position by position as every row has produced it.
+    ``images``: each row's preprocessed images, its placeholders already expanded in ``ids``."""
     context = max(2, min(max(len(r) for r in ids) + max_new_tokens, engine.config.max_position_embeddings))
     page = default_page_size(engine.config)
     # Room for every row at full length at once: no row waits for pages (each position is handed
     # out only when every row has produced it, so one waiting row would hold back all of them).
     server = ServingEngine(engine, ServingConfig(slots=len(ids), page_size=page, max_context=context,
                                                  num_pages=len(ids) * -(-context // page)))
-    requests = [server.submit(r, max_new_tokens=max_new_tokens, sampling=p, ignore_eos=True)
-                for r, p in zip(ids, params)]
+    requests = []
+    for b, (row, p) in enumerate(zip(ids, params)):
+        request = server._request(row, max_new_tokens, p, False, True, False)
+        if images and images[b]:
+            request.images = RequestImages.of(request.prompt, images[b], engine.config.vision.image_token_id)
+        requests.append(server._enqueue(request))
     row_of = {request: row for row, request in enumerate(requests)}
     produced: list[list[tuple[int, float]]] = [[] for _ in ids]
     position = 0

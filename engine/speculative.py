@@ -1,17 +1,20 @@
 """Speculative decoding, lossless: a drafter proposes K tokens, one step of the target model
 checks them all, and the accepted ones (plus one more token of the target's own) are emitted.
 
-- The drafter here is n-gram prompt lookup (:func:`ngram_draft`, host-side numpy): the longest
-  suffix of the sequence so far (``max_n`` tokens down to ``min_n``) that occurred before in the
-  prompt or the generated text proposes the tokens that followed its latest occurrence.
+- Drafters: n-gram prompt lookup (:func:`ngram_draft`, host-side numpy): the longest suffix of
+  the sequence so far (``max_n`` tokens down to ``min_n``) that occurred before in the prompt or
+  the generated text proposes the tokens that followed its latest occurrence; or a small draft
+  model sharing the tokenizer (``dayzero.engine.draft_model``), whose own distribution q each
+  draft is drawn from.
 - The verify step (:func:`verify_step`) feeds each row's last emitted token and its K drafts
   through the contiguous-cache forward at once (T = K+1, padded; one compile per cache bucket)
   and gets K+1 rows of logits. :func:`accept_drafts` then applies the acceptance rule: greedy
   rows accept drafts while they equal the argmax and emit the argmax at the first mismatch (the
-  bonus token when all match); sampled rows run speculative rejection sampling against a point-
-  mass drafter (accept draft x with probability p(x), on rejection draw from p with x removed,
-  renormalised), where p is the distribution ``sampling.sample`` draws from (temperature, top-k,
-  top-p, min-p), so the emitted tokens are distributed exactly as without speculation.
+  bonus token when all match); sampled rows run speculative rejection sampling: accept draft x
+  with probability min(1, p(x) / q(x)), on rejection draw from max(0, p - q) renormalised, where
+  p is the distribution ``sampling.sample`` draws from (temperature, top-k, top-p, min-p) and q
+  the drafter's (a point mass for n-gram drafts: accept with p(x), else draw from p without x),
+  so the emitted tokens are distributed exactly as without speculation.
 - Rows advance by different amounts: the cache's per-row lengths are set to what each row
   accepted (``append_verified``), so rejected positions are ignored and later overwritten.
 - A step in which no row has a draft runs the engine's ordinary one-token decode step.
@@ -25,7 +28,7 @@ import dataclasses
 import enum
 import functools
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -53,17 +56,21 @@ class DraftKind(enum.Enum):
     """Where draft tokens come from."""
 
     NGRAM = "ngram"  # prompt lookup: the continuation of an earlier occurrence of the recent suffix
+    DRAFT = "draft"  # a small model sharing the target's tokenizer (``SpecConfig.draft``)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding settings: the drafter ``kind``, ``num_draft_tokens`` (K, the tokens
-    proposed and verified per step) and, for the n-gram drafter, the suffix lengths ``ngram`` =
-    (min_n, max_n) it looks up, longest first."""
+    proposed and verified per step), for the n-gram drafter the suffix lengths ``ngram`` =
+    (min_n, max_n) it looks up, longest first, and for the draft-model drafter the ``draft``
+    :class:`~dayzero.engine.generate.Engine` (e.g. ``Engine.load(DIR)`` of a small model of the
+    same tokenizer)."""
 
     kind: DraftKind | str = DraftKind.NGRAM
     num_draft_tokens: int = 4
     ngram: tuple[int, int] = (2, 4)
+    draft: Any = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         try:
@@ -78,6 +85,9 @@ class SpecConfig:
         if len(n) != 2 or not all(isinstance(x, int) for x in n) or not 1 <= n[0] <= n[1]:
             raise SpeculativeError(f"ngram={self.ngram!r} is invalid; it must be (min_n, max_n) with 1 <= min_n <= max_n")
         object.__setattr__(self, "ngram", n)
+        if (self.kind is DraftKind.DRAFT) != (self.draft is not None):
+            raise SpeculativeError("the draft drafter needs a draft model and only it takes one: pass "
+                                   "SpecConfig(kind='draft', draft=Engine.load(DIR)) (CLI: --speculative draft:DIR)")
 
 
 @dataclasses.dataclass
@@ -124,9 +134,14 @@ def speculative_refusal(config: ModelConfig, run: RunConfig) -> str | None:
     return None
 
 
-def check_speculative(config: ModelConfig, run: RunConfig) -> None:
-    """Raise :class:`SpeculativeError` if :func:`speculative_refusal` refuses."""
+def check_speculative(config: ModelConfig, run: RunConfig, spec: SpecConfig | None = None) -> None:
+    """Raise :class:`SpeculativeError` if :func:`speculative_refusal` refuses (or, for a draft
+    model, ``draft_model.draft_refusal``)."""
     reason = speculative_refusal(config, run)
+    if reason is None and spec is not None and spec.kind is DraftKind.DRAFT:
+        from dayzero.engine.draft_model import draft_refusal
+
+        reason = draft_refusal(spec.draft, config)
     if reason is not None:
         raise SpeculativeError(reason)
 
@@ -176,7 +191,8 @@ def target_logits(logits: jax.Array, rows: RowSampling, mode: SamplingMode) -> j
 
 
 def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, rows: RowSampling,
-                  steps: jax.Array, mode: SamplingMode) -> tuple[jax.Array, jax.Array, jax.Array]:
+                  steps: jax.Array, mode: SamplingMode, draft_probs: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The acceptance rule over one verify step's logits [B,K+1,V] (row t: the distribution of
     the token after input t) for drafts [B,K] of which the first ``num_drafts`` [B] are real.
 
@@ -185,7 +201,8 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, r
     the target's own (the argmax, a residual draw at the first rejection, or the bonus draw).
     ``steps`` [B]: each row's index of the token after its last emitted one; the token at index
     s is drawn with the row's key folded with s, as ``sample`` draws it, and its acceptance test
-    with a key derived from that one.
+    with a key derived from that one. ``draft_probs`` [B,K,V]: the distributions q the drafts
+    were drawn from (None: point masses, as n-gram drafts are).
     """
     B, T, V = logits.shape
     K = T - 1
@@ -198,16 +215,20 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, r
         target = target_logits(logits, rows, mode)
         positions = steps[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         keys = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)))(rows.keys, positions)  # [B,T]
-        # Point-mass drafter: accept draft x with probability p(x) ...
-        probs = jax.nn.softmax(target[:, :K], axis=-1)
-        p_draft = jnp.take_along_axis(probs, drafts[..., None], axis=-1)[..., 0]
+        probs = jax.nn.softmax(target, axis=-1)
+        p_draft = jnp.take_along_axis(probs[:, :K], drafts[..., None], axis=-1)[..., 0]
         uniform = jax.vmap(jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1))))(keys[:, :K])
-        # ... on rejection draw from normalize(max(0, p - q)): p without x, renormalised.
-        draft_at = jnp.concatenate([jnp.where(has_draft, drafts, -1), jnp.full((B, 1), -1, drafts.dtype)], axis=1)
-        residual = jnp.where(jnp.arange(V)[None, None, :] == draft_at[..., None], -jnp.inf, target)
+        if draft_probs is None:
+            # Point-mass drafter: accept draft x with probability p(x) ...
+            passes = uniform < p_draft
+            # ... on rejection draw from normalize(max(0, p - q)): p without x, renormalised.
+            draft_at = jnp.concatenate([jnp.where(has_draft, drafts, -1), jnp.full((B, 1), -1, drafts.dtype)], 1)
+            residual = jnp.where(jnp.arange(V)[None, None, :] == draft_at[..., None], -jnp.inf, target)
+        else:
+            passes, residual = _against_draft_probs(probs, target, drafts, has_draft, draft_probs, uniform, p_draft)
         drawn = jax.vmap(jax.vmap(jax.random.categorical))(keys, residual).astype(jnp.int32)
         sampled = (rows.temperature > 0)[:, None]
-        accept = jnp.where(sampled, (uniform < p_draft) & has_draft, accept)
+        accept = jnp.where(sampled, passes & has_draft, accept)
         final = jnp.where(sampled, drawn, argmax)
     accepted = jnp.sum(jnp.cumprod(accept.astype(jnp.int32), axis=1), axis=1)  # leading accepts [B]
     t = jnp.arange(T)[None, :]
@@ -217,14 +238,28 @@ def accept_drafts(logits: jax.Array, drafts: jax.Array, num_drafts: jax.Array, r
     return tokens, jnp.take_along_axis(logprobs, tokens[..., None], axis=-1)[..., 0], accepted.astype(jnp.int32)
 
 
+def _against_draft_probs(probs, target, drafts, has_draft, draft_probs, uniform, p_draft) -> tuple:
+    """(whether each draft passes [B,K], the residual logits [B,K+1,V]) of drafts drawn from
+    ``draft_probs`` q [B,K,V]: pass when u < p(x) / q(x); the residual is log max(0, p - q),
+    q taken as 0 past the real drafts (the bonus position draws from p)."""
+    B, T, V = probs.shape
+    q = jnp.where(has_draft[..., None], draft_probs.astype(probs.dtype), 0.0)
+    q_draft = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    passes = uniform * q_draft < p_draft
+    excess = jnp.maximum(probs - jnp.concatenate([q, jnp.zeros((B, 1, V), q.dtype)], axis=1), 0.0)
+    residual = jnp.where(excess > 0, jnp.log(jnp.where(excess > 0, excess, 1.0)), -jnp.inf)
+    # Where p <= q everywhere no draft can be rejected: the residual is never drawn from then.
+    return passes, jnp.where(jnp.any(excess > 0, axis=-1, keepdims=True), residual, target)
+
+
 @functools.partial(jax.jit, static_argnames=("config", "mode"))
 def verify_step(weights, tokens, num_new, rows: RowSampling, steps, mode: SamplingMode,
-                cache: KVCache | LatentCache, config: ModelConfig):
+                cache: KVCache | LatentCache, config: ModelConfig, draft_probs=None):
     """The forward over each row's last token and drafts ``tokens`` [B,K+1] (``num_new`` [B] of
-    them real: 0 for a finished row), then :func:`accept_drafts`; returns its three outputs and
-    what ``append_verified`` writes."""
+    them real: 0 for a finished row), then :func:`accept_drafts` (``draft_probs``: the drafts'
+    q, None for point masses); returns its three outputs and what ``append_verified`` writes."""
     logits, new = forward(weights, config, tokens, cache, num_new, all_logits=True)
-    out = accept_drafts(logits, tokens[:, 1:], jnp.maximum(num_new - 1, 0), rows, steps, mode)
+    out = accept_drafts(logits, tokens[:, 1:], jnp.maximum(num_new - 1, 0), rows, steps, mode, draft_probs)
     return (*out, new)
 
 
@@ -242,14 +277,15 @@ def append_verified(cache: KVCache | LatentCache, new: NewKV | NewLatent, accept
 # ---- the generation loop -----------------------------------------------------------------------
 
 
-def _verify(engine: "Engine", tokens, num_new, rows, steps, mode, cache) -> tuple:
+def _verify(engine: "Engine", tokens, num_new, rows, steps, mode, cache, draft_probs=None) -> tuple:
     """One verify step and its cache write, its first compile counted in ``engine.compile_s``."""
-    key = ("verify", tokens.shape, cache.max_len, mode)
+    key = ("verify", tokens.shape, cache.max_len, mode) + (() if draft_probs is None else ("q",))
     first = (key, "append") not in engine._steps
     start = time.perf_counter()
+    extra = {} if draft_probs is None else {"draft_probs": draft_probs}
     tok, lp, accepted, new = engine._steps.call(
         verify_step, key, engine.weights, jnp.asarray(tokens), jnp.asarray(num_new), rows, jnp.asarray(steps),
-        cache=cache, static={"mode": mode, "config": engine.config})
+        cache=cache, static={"mode": mode, "config": engine.config}, **extra)
     cache = engine._steps.call(append_verified, (key, "append"), cache, new, accepted)
     if first:
         jax.block_until_ready(tok)
@@ -269,6 +305,11 @@ def stream_speculative(engine: "Engine", ids: list[list[int]], max_new_tokens: i
     lengths = np.array([len(r) for r in ids], np.int32)
     # Room for the drafts past the last kept token: a verify step writes K+1 positions.
     tok, lp, cache = engine._prefill_chunks(ids, lengths, max_new_tokens + K, rows, mode)
+    drafter = None
+    if spec.kind is DraftKind.DRAFT:
+        from dayzero.engine.draft_model import DraftModel
+
+        drafter = DraftModel(spec.draft, ids, np.asarray(tok), max_new_tokens, K, rows, mode, engine.config.vocab_size)
     seqs = [np.array(r, np.int32) for r in ids]
     produced = np.zeros(B, np.int64)
     done = np.zeros(B, bool)
@@ -285,25 +326,35 @@ def stream_speculative(engine: "Engine", ids: list[list[int]], max_new_tokens: i
         yield tok, lp, counts
         if done.all():
             return
-        drafts = np.zeros((B, K), np.int32)
-        num_drafts = np.zeros(B, np.int32)
+        # At most the tokens still wanted, less the one the target adds itself.
+        budget = np.where(done, 0, np.minimum(K, max_new_tokens - produced - 1)).astype(np.int32)
+        probs = None
+        if drafter is None:
+            drafts = np.zeros((B, K), np.int32)
+            for b in np.flatnonzero(~done):
+                d = ngram_draft(seqs[b], int(budget[b]), min_n, max_n)
+                drafts[b, : len(d)], budget[b] = d, len(d)
+        elif budget.any():
+            drafts, probs = drafter.propose(~done, produced.astype(np.int32), K)
+        num_drafts = budget
         for b in np.flatnonzero(~done):
-            # At most the tokens still wanted, less the one the target adds itself.
-            d = ngram_draft(seqs[b], min(K, max_new_tokens - produced[b] - 1), min_n, max_n)
-            drafts[b, : len(d)], num_drafts[b] = d, len(d)
             stats[b].steps += 1
-            stats[b].drafted += len(d)
+            stats[b].drafted += int(num_drafts[b])
         last = np.array([s[-1] for s in seqs], np.int32)[:, None]
         active = (~done).astype(np.int32)
         if not num_drafts.any():  # nothing to verify: the ordinary one-token decode step
             t, l, cache = engine._run_step(engine._host(last), cache, engine._host(active), rows,
                                            produced.astype(np.int32), mode)
             tok, lp, counts = np.asarray(t)[:, None], np.asarray(l)[:, None], active.astype(np.int64)
+            if drafter is not None:
+                drafter.plain(~done, tok[:, 0])
             continue
         tokens = np.concatenate([last, drafts], axis=1)
         t, l, accepted, cache = _verify(engine, tokens, active * (1 + num_drafts), rows,
-                                        produced.astype(np.int32), mode, cache)
+                                        produced.astype(np.int32), mode, cache, probs)
         tok, lp, accepted = np.asarray(t), np.asarray(l), np.asarray(accepted)
+        if drafter is not None:
+            drafter.advance(~done, drafts, accepted, tok[np.arange(B), accepted])
         for b in np.flatnonzero(~done):
             stats[b].accepted += int(accepted[b])
         counts = np.where(done, 0, accepted + 1)

@@ -70,8 +70,11 @@ class Tokenizer:
         """Text of ``ids``."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """Apply the model's chat template (Jinja, sandboxed) to ``messages``."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Apply the model's chat template (Jinja, sandboxed) to ``messages``. A message's
+        ``content`` is text, or a list of parts as HF's multimodal templates take them:
+        ``{"type": "text", "text": ...}`` and ``{"type": "image"}`` (where the template writes the
+        image's placeholder, e.g. Qwen-VL's ``<|vision_start|><|image_pad|><|vision_end|>``)."""
         if not self.chat_template:
             raise TokenizerError("this model has no chat template; drop --chat and pass the raw prompt")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -81,18 +84,34 @@ class Tokenizer:
             template = env.from_string(self.chat_template)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the model's chat template does not parse: {e}") from None
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except (jinja2.TemplateError, TypeError) as e:  # e.g. a text-only template given content parts
+            raise TokenizerError(f"the model's chat template cannot render this conversation: {e}") from None
 
-    def encode_chat(self, user_message: str) -> list[int]:
-        """Token ids of a one-turn conversation, ready for the assistant's answer."""
-        text = self.render_chat([{"role": "user", "content": user_message}])
+    def encode_messages(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation through the chat template (see :meth:`render_chat`)."""
+        text = self.render_chat(messages, add_generation_prompt)
         # The template already placed any BOS it wants; adding special tokens would double it.
         return self.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, user_message: str, images: int = 0) -> list[int]:
+        """Token ids of a one-turn conversation, ready for the assistant's answer; with
+        ``images``, that many image parts come before the text (the order of HF's and Qwen's
+        examples), so the template writes one image placeholder each."""
+        if not images:
+            return self.encode_messages([{"role": "user", "content": user_message}])
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template to place the images in; pass --prompt-ids "
+                                 "with one image placeholder token per image")
+        parts: list[dict[str, str]] = [{"type": "image"} for _ in range(images)]
+        parts += [{"type": "text", "text": user_message}] if user_message else []
+        return self.encode_messages([{"role": "user", "content": parts}])
 
 
 class StreamDecoder:

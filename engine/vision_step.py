@@ -1,9 +1,10 @@
-"""Images in ``Engine.generate`` for the Qwen multimodal models (Qwen3-VL(-MoE), Qwen3.5).
+"""Images in ``Engine.generate`` for the multimodal models: Qwen3-VL(-MoE), Qwen3.5 and Kimi-K2.5.
 
 Host side, once per request, before the prefill:
 
 - :func:`image_config_of` is the preprocessing of a model whose checkpoint carries no
-  preprocessor config: the tower's patch, merge and temporal sizes, the published pixel bounds;
+  preprocessor config: the tower's patch, merge and temporal sizes, the published pixel bounds
+  (Qwen), or the tower's patch and merge sizes with the published patch budget (Kimi);
 - :func:`expand_placeholders` turns each image's one ``image_token_id`` (as the chat template
   writes it, between vision start and end) into the image's ``num_tokens`` placeholders;
 - :func:`encode` runs the tower once over all images of the batch, compiled per padded patch
@@ -12,6 +13,10 @@ Host side, once per request, before the prefill:
   and hands each prefill chunk its slice (:meth:`ImagePrefill.chunk`, columns relative to the
   chunk, entries padded to a bucket so chunks share compiles); ``deltas`` [B] are what every
   decode step's positions are shifted by (``mrope.continuation``).
+
+Each function dispatches on the kind of ``config.vision``: Kimi-K2.5's tower
+(``KimiVisionConfig``) has no DeepStack and its text model no M-RoPE, so its images take plain
+positions, one per placeholder (``mrope.plain_positions``), and its deltas are all zero.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.engine.image_processing import ProcessedImage, QwenImageConfig, batch_pixels, preprocess_images
+from dayzero.engine.image_processing import (
+    ImageConfig, KimiImageConfig, ProcessedImage, QwenImageConfig, batch_pixels, preprocess_images,
+)
 from dayzero.model.config import ModelConfig
-from dayzero.model.mrope import ImageInput, rope_index
+from dayzero.model.hf_config_vision_kimi import KimiVisionConfig
+from dayzero.model.mrope import ImageInput, plain_positions, rope_index
+from dayzero.model.vision_kimi import encode_kimi_images
 from dayzero.model.vision_qwen import encode_images
 
 MIN_PATCH_BUCKET = 64  # patches per tower call, rounded up to a power of two from here
@@ -36,15 +45,25 @@ def _pow2(n: int, minimum: int) -> int:
     return 1 << max(n - 1, minimum - 1).bit_length()
 
 
-def image_config_of(config: ModelConfig) -> QwenImageConfig:
-    """The image preprocessing of ``config``'s vision tower (sizes from the tower, pixel bounds
-    and normalisation as the published Qwen3-VL / Qwen3.5 processors)."""
+def _is_kimi(config: ModelConfig) -> bool:
+    return isinstance(config.vision, KimiVisionConfig)
+
+
+def image_config_of(config: ModelConfig) -> ImageConfig:
+    """The image preprocessing of ``config``'s vision tower (sizes from the tower; pixel bounds or
+    patch budget and normalisation as the published Qwen3-VL / Qwen3.5 or Kimi-K2.5 processors)."""
     vc = config.vision
+    if _is_kimi(config):
+        kh, kw = vc.merge_kernel
+        if kh != kw:
+            raise ValueError(f"the Kimi tower's merge_kernel_size={[kh, kw]} is not square; its image processor "
+                             "merges square blocks only")
+        return KimiImageConfig(patch_size=vc.patch_size, merge_size=kh)
     return QwenImageConfig(patch_size=vc.patch_size, merge_size=vc.spatial_merge_size,
                            temporal_patch_size=vc.temporal_patch_size)
 
 
-def preprocess(sources: Sequence, image_config: QwenImageConfig) -> list[ProcessedImage]:
+def preprocess(sources: Sequence, image_config: ImageConfig) -> list[ProcessedImage]:
     """Every image of a request (anything ``engine.images.load_image`` accepts), preprocessed."""
     return preprocess_images(list(sources), image_config)
 
@@ -68,19 +87,29 @@ def expand_placeholders(ids: list[int], images: Sequence[ProcessedImage], image_
 
 def encode(weights, config: ModelConfig, images: Sequence[ProcessedImage]) -> tuple[jax.Array, list[jax.Array]]:
     """The tower over ``images`` in one call, padded to a power-of-two patch count (one compile per
-    bucket): merged embeddings [N, D] (N: the images' tokens, in order) and DeepStack features."""
-    vc = config.vision
+    bucket): merged embeddings [N, D] (N: the images' tokens, in order) and DeepStack features
+    (none for Kimi-K2.5)."""
     pixels, grids = batch_pixels(list(images))
-    padded = _pow2(pixels.shape[0], max(MIN_PATCH_BUCKET, vc.merge_unit))
-    padded = -(-padded // vc.merge_unit) * vc.merge_unit
-    return encode_images(weights.vision, vc, pixels, [tuple(g) for g in grids], padded_patches=padded)
+    padded = patch_bucket(config, pixels.shape[0])
+    grids = [tuple(g) for g in grids]
+    if _is_kimi(config):
+        return encode_kimi_images(weights.vision, config.vision, pixels, grids, padded_patches=padded), []
+    return encode_images(weights.vision, config.vision, pixels, grids, padded_patches=padded)
+
+
+def patch_bucket(config: ModelConfig, patches: int) -> int:
+    """The padded patch count :func:`encode` runs ``patches`` patches at (its compile key): a power
+    of two from ``MIN_PATCH_BUCKET`` on, a multiple of the merge unit."""
+    unit = config.vision.merge_unit
+    padded = _pow2(patches, max(MIN_PATCH_BUCKET, unit))
+    return -(-padded // unit) * unit
 
 
 @dataclasses.dataclass
 class ImagePrefill:
     """The image side of one batch's prefill."""
 
-    positions: np.ndarray  # [3, B, L] int32, M-RoPE positions (rope_index); L the longest prompt
+    positions: np.ndarray  # [3, B, L] int32, M-RoPE positions (rope_index; Kimi: plain); L the longest prompt
     deltas: np.ndarray  # [B] int32, rope deltas of the rows (0 for a row without images)
     rows: np.ndarray  # [N] placeholder rows, in the order of the tower's output
     cols: np.ndarray  # [N] placeholder columns in the padded prompt
@@ -96,7 +125,10 @@ class ImagePrefill:
         tokens = np.zeros((len(ids), int(lengths.max())), np.int64)
         for b, row in enumerate(ids):
             tokens[b, :len(row)] = row
-        positions, deltas = rope_index(vc, tokens, grids, lengths)
+        if _is_kimi(config):  # no M-RoPE: an image's tokens count on as text does
+            positions, deltas = plain_positions(*tokens.shape)
+        else:
+            positions, deltas = rope_index(vc, tokens, grids, lengths)
         mask = (tokens == vc.image_token_id) & (np.arange(tokens.shape[1])[None] < lengths[:, None])
         rows, cols = np.nonzero(mask)  # row-major: the order of the images' merged tokens
         if len(rows) != embeds.shape[0]:

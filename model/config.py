@@ -441,8 +441,8 @@ class ModelConfig:
     # The query projection also gives a gate per head and dim: the attention output is scaled by
     # sigmoid(gate) before ``o`` (Qwen3-Next's full-attention layers).
     attn_output_gate: bool = False
-    # The vision tower in front of the text model (Qwen3-VL, Qwen3.5 multimodal files), with the
-    # image placeholder token ids; None: a text-only model.
+    # The vision tower in front of the text model (Qwen3-VL, Qwen3.5 multimodal files; Kimi-K2.5's
+    # KimiVisionConfig), with the image placeholder token ids; None: a text-only model.
     vision: VisionConfig | None = None
 
     def __post_init__(self):
@@ -544,10 +544,10 @@ class ModelConfig:
         hyper = d.pop("hyper", None)
         linear = d.pop("linear", None)
         vision = d.pop("vision", None)
-        if vision is not None:
-            from dayzero.model.hf_config_vision import VisionConfig
+        if vision is not None:  # Qwen's tower or Kimi-K2.5's, as its "kind" says
+            from dayzero.model.hf_config_vision_kimi import vision_config_from_json
 
-            vision = VisionConfig.from_json(vision)
+            vision = vision_config_from_json(vision)
         return cls(
             family=Family(d.pop("family")),
             rope=RopeConfig(**rope),

@@ -384,6 +384,10 @@ def parse_hf_config(raw: dict[str, Any]) -> ModelConfig:
 
     if model_type in QWEN_VL_TEXT:  # Qwen3-VL(-MoE): a vision tower before Qwen3(-MoE) with M-RoPE
         return parse_qwen_vl_config(raw)
+    if model_type == "kimi_k25":  # Kimi-K2.5: MoonViT before the DeepSeek-V3 text model
+        from dayzero.model.hf_config_vision_kimi import parse_kimi_k25_config
+
+        return parse_kimi_k25_config(raw)
     try:
         family = Family(model_type)
     except ValueError:

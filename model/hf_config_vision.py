@@ -288,11 +288,15 @@ _COMPOSITE_IGNORED = {
 }
 
 
-def parse_composite(raw: dict[str, Any], text_type: str, parse_text: Callable[[dict], ModelConfig]) -> ModelConfig:
-    """A composite ``config.json`` (model_type one of :data:`VISION_MODEL_TYPES`): ``text_config``
-    (model_type ``text_type``, or left out) parsed by ``parse_text``, ``vision_config`` by
-    :func:`vision_config_from_hf`. At the top level: tie_word_embeddings (the one HF's
-    ``*ForConditionalGeneration`` ties by; text_config's is never read, and HF's own to_dict()
+def parse_composite(raw: dict[str, Any], text_type: str, parse_text: Callable[[dict], ModelConfig],
+                    tower: Callable[[dict, int], Any] = vision_config_from_hf, handled: tuple[str, ...] = (),
+                    tie_default: bool = False) -> ModelConfig:
+    """A composite ``config.json`` (model_type one of :data:`VISION_MODEL_TYPES`, or Kimi-K2.5's
+    through ``dayzero.model.hf_config_vision_kimi``): ``text_config`` (model_type ``text_type``, or
+    left out) parsed by ``parse_text``, the tower by ``tower(raw, text hidden size)`` (default
+    :func:`vision_config_from_hf`), which reads ``vision_config`` and the top-level keys named in
+    ``handled``. At the top level: tie_word_embeddings (the one HF's ``*ForConditionalGeneration``
+    ties by, ``tie_default`` where left out; text_config's is never read, and HF's own to_dict()
     leaves it at its default when only the top level's is set), bos/eos ids (winning over
     text_config's), the placeholder ids, a block-FP8 quantization_config, and keys that repeat
     text_config's with the same value (fine-tuning tools copy hidden_size up); anything else is
@@ -310,7 +314,7 @@ def parse_composite(raw: dict[str, Any], text_type: str, parse_text: Callable[[d
     if not isinstance(raw.get("vision_config", {}), dict):
         raise ConfigError(f"vision_config={raw['vision_config']!r} must be an object")
     r = _Reader(raw)
-    r.seen.update({"model_type", "text_config", "vision_config", "tie_word_embeddings", *_COMPOSITE_IGNORED})
+    r.seen.update({"model_type", "text_config", "vision_config", "tie_word_embeddings", *_COMPOSITE_IGNORED, *handled})
     _check_quantization(r)
     r.seen.update(k for k in r.leftover() if k in text and text[k] == raw[k])
     if r.leftover():
@@ -326,8 +330,9 @@ def parse_composite(raw: dict[str, Any], text_type: str, parse_text: Callable[[d
         ids["bos_token_id"] = raw["bos_token_id"]
     if raw.get("eos_token_id") is not None:
         ids["eos_token_ids"] = _eos_ids(raw["eos_token_id"])
-    return dataclasses.replace(config, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-                               vision=vision_config_from_hf(raw, config.hidden_size), **ids)
+    tie = raw.get("tie_word_embeddings")
+    return dataclasses.replace(config, tie_word_embeddings=bool(tie_default if tie is None else tie),
+                               vision=tower(raw, config.hidden_size), **ids)
 
 
 # ---- Qwen3-VL's text models ----------------------------------------------------------------------

@@ -20,9 +20,16 @@ Two spellings of the same settings exist, and both are read:
   ``video_attn_type``, ``merge_type``), each accepted only at the value HF implements.
 
 As ``dayzero.model.hf_config_vision`` does: every key of ``vision_config`` is used, ignored for a
-stated reason, or at HF's default; anything else is one error listing the keys. The composite
-file's other top-level keys (token ids, ``use_unified_vision_chunk``, the text model) belong to
-the whole-model parser.
+stated reason, or at HF's default; anything else is one error listing the keys.
+
+The whole file (:func:`parse_kimi_k25_config`) is ``hf_config_vision.parse_composite``'s: the
+text model under ``text_config`` is DeepSeek-V3's (Moonshot's files say ``kimi_k2``, which HF
+reads as ``deepseek_v3``), the tower is this module's, and the top level adds the image
+placeholder id (Moonshot's ``media_placeholder_token_id`` or HF's ``image_token_id``, 163605
+``<|media_pad|>``), which lands in ``KimiVisionConfig.image_token_id`` where the engine reads the
+Qwen towers' ``VisionConfig.image_token_id``. HF's Kimi_K25Config ties the embeddings unless the
+file says otherwise. The text model rotates with plain RoPE: images take one position per
+placeholder token, as text does (no M-RoPE).
 """
 
 from __future__ import annotations
@@ -30,9 +37,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from dayzero.model.config import ConfigError
-from dayzero.model.hf_config import _Reader, fold_aliases
-from dayzero.model.hf_config_vision import VisionAct
+from dayzero.model.config import ConfigError, ModelConfig
+from dayzero.model.hf_config import _Reader, fold_aliases, parse_hf_config
+from dayzero.model.hf_config_vision import VisionAct, VisionConfig, parse_composite
 
 MODEL_TYPE = "kimi_k25"
 
@@ -46,6 +53,8 @@ class KimiVisionConfig:
     A patch is 3 x ``patch_size`` x ``patch_size`` pixels; the learned position grid is
     ``pos_emb_side`` square; the sinusoidal time table covers up to ``pos_emb_time`` frames;
     ``projector_eps`` is the projector LayerNorm's epsilon (the tower's norms use 1e-5, fixed).
+    ``image_token_id``: the placeholder each merged embedding replaces (None: not known, a tower
+    parsed from its vision_config alone).
     """
 
     depth: int
@@ -60,9 +69,13 @@ class KimiVisionConfig:
     merge_kernel: tuple[int, int] = (2, 2)
     rope_theta: float = 10000.0
     projector_eps: float = 1e-5
+    image_token_id: int | None = None
 
     def __post_init__(self):
         problems = []
+        token = self.image_token_id
+        if token is not None and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+            problems.append(f"image_token_id={token!r} must be a token id (a non-negative integer)")
         for name in ("depth", "hidden_size", "num_heads", "intermediate_size", "out_hidden_size", "patch_size",
                      "pos_emb_side", "pos_emb_time"):
             value = getattr(self, name)
@@ -106,19 +119,29 @@ class KimiVisionConfig:
         return self.pos_emb_side ** 2
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-serialisable dict that :meth:`from_json` reads back exactly."""
+        """A JSON-serialisable dict that :meth:`from_json` reads back exactly; its ``kind`` tells
+        it from the Qwen towers' (:func:`vision_config_from_json`)."""
         d = dataclasses.asdict(self)
         d["hidden_act"] = self.hidden_act.value
         d["merge_kernel"] = list(self.merge_kernel)
-        return d
+        return {"kind": MODEL_TYPE, **d}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "KimiVisionConfig":
         """Inverse of :meth:`to_json` (dayzero's own parsed form, not an HF vision_config)."""
         d = dict(d)
+        d.pop("kind", None)
         d["hidden_act"] = VisionAct(d["hidden_act"])
         d["merge_kernel"] = tuple(d["merge_kernel"])
         return cls(**d)
+
+
+def vision_config_from_json(d: dict[str, Any]):
+    """The tower of a converted model's config (``ModelConfig.to_json``'s ``vision``): Kimi-K2.5's
+    where its ``kind`` says so, else the Qwen towers' ``VisionConfig``."""
+    if d.get("kind") == MODEL_TYPE:
+        return KimiVisionConfig.from_json(d)
+    return VisionConfig.from_json(d)
 
 
 # HF's Kimi_K25VisionConfig defaults (Moonshot's KimiK25VisionConfig has the same values).
@@ -245,15 +268,65 @@ def parse_kimi_vision_config(raw: dict[str, Any], projector: dict[str, Any] | No
     return KimiVisionConfig(**fields)
 
 
-def kimi_vision_config_from_hf(raw: dict[str, Any]) -> KimiVisionConfig | None:
+def kimi_vision_config_from_hf(raw: dict[str, Any], text_hidden_size: int | None = None) -> KimiVisionConfig | None:
     """The vision tower of a whole kimi_k25 ``config.json`` dict: None when it has no
     ``vision_config`` (a text-only file), else :func:`parse_kimi_vision_config` of it with the
-    top-level projector keys and ``text_config.hidden_size``."""
+    top-level projector keys and the text model's hidden size (``text_hidden_size``, default
+    ``text_config.hidden_size``). The placeholder id is the whole-model parser's (:func:`_tower`)."""
     if raw.get("model_type") != MODEL_TYPE:
         raise ConfigError(f"model_type={raw.get('model_type')!r} is not {MODEL_TYPE!r}; this parser reads Kimi-K2.5's "
                           "vision tower only")
     if raw.get("vision_config") is None:
         return None
     projector = {k: raw[k] for k in ("projection_hidden_size", "projection_layer_norm_eps") if k in raw}
-    text = raw.get("text_config") or {}
-    return parse_kimi_vision_config(raw["vision_config"], projector, text.get("hidden_size"))
+    if text_hidden_size is None:
+        text_hidden_size = (raw.get("text_config") or {}).get("hidden_size")
+    return parse_kimi_vision_config(raw["vision_config"], projector, text_hidden_size)
+
+
+# ---- the whole kimi_k25 config.json -------------------------------------------------------------
+
+IMAGE_TOKEN_ID = 163605  # <|media_pad|>: HF's Kimi_K25Config default, the published media_placeholder_token_id
+TEXT_TYPES = ("deepseek_v3", "kimi_k2")  # HF renames Moonshot's kimi_k2 text_config to deepseek_v3 on load
+
+# Top-level keys of Moonshot's file that do not change what the model computes from token ids and pixels.
+_TOP_IGNORED = {
+    "use_unified_vision_chunk": "vLLM's switch to take images and video chunks as one modality; HF never reads it",
+    "video_placeholder": "the prompt text of a video for Moonshot's processor; dayzero takes images only",
+    "ignore_index": "the label the training loss skips",
+}
+# Top-level keys the tower's parse reads (transformers' projector keys, the placeholder id in both spellings).
+_TOP_READ = ("projection_hidden_size", "projection_layer_norm_eps", "media_placeholder_token_id", "image_token_id")
+
+
+def _image_token_id(raw: dict[str, Any]) -> int:
+    """The image placeholder id of a kimi_k25 file's top level: Moonshot's
+    ``media_placeholder_token_id`` or HF's ``image_token_id`` (both given must agree), else 163605."""
+    token = _one_of(media_placeholder_token_id=raw.get("media_placeholder_token_id"),
+                    image_token_id=raw.get("image_token_id"))
+    token = IMAGE_TOKEN_ID if token is None else token
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise ConfigError(f"kimi_k25 media_placeholder_token_id / image_token_id={token!r} must be a token id "
+                          "(a non-negative integer)")
+    return token
+
+
+def _tower(raw: dict[str, Any], text_hidden_size: int) -> KimiVisionConfig:
+    """The tower of a whole file with its image placeholder id; a file without ``vision_config``
+    gets HF's default tower, as ``Kimi_K25Config`` builds it (the checkpoint then holds its weights)."""
+    config = kimi_vision_config_from_hf({**raw, "vision_config": raw.get("vision_config") or {}}, text_hidden_size)
+    return dataclasses.replace(config, image_token_id=_image_token_id(raw))
+
+
+def parse_kimi_k25_config(raw: dict[str, Any]) -> ModelConfig:
+    """A ``kimi_k25`` config.json (HF's ``Kimi_K25Config`` or Moonshot's file) as one
+    :class:`ModelConfig`: the DeepSeek-V3 text model of ``text_config`` with this module's tower
+    as ``vision`` (module docstring). Raises :class:`ConfigError` naming every key it cannot handle."""
+    text = raw.get("text_config")
+    if isinstance(text, dict) and text.get("model_type") not in (None, *TEXT_TYPES):
+        raise ConfigError(f"text_config model_type={text['model_type']!r} does not belong in a kimi_k25 config "
+                          f"(expected one of {', '.join(TEXT_TYPES)})")
+    if isinstance(text, dict):
+        raw = {**raw, "text_config": {**text, "model_type": "deepseek_v3"}}
+    return parse_composite(raw, "deepseek_v3", parse_hf_config, tower=_tower, handled=(*_TOP_READ, *_TOP_IGNORED),
+                           tie_default=True)

@@ -32,7 +32,9 @@ from dayzero.model.hf_config_vision import VisionConfig
 class ImageInput:
     """What ``forward`` needs for images, for the B x T tokens of one call.
 
-    ``position_ids`` [3, B, T] int32: each token's (temporal, height, width) rotary position.
+    ``position_ids`` [3, B, T] int32: each token's (temporal, height, width) rotary position; for
+    a text model without M-RoPE (Kimi-K2.5, whose images take one position per token as text
+    does) the three axes are equal and ``forward`` reads the first (:func:`plain_positions`).
     ``embeds`` [N, D] (or None: no image in this call, positions only): merged image embeddings,
     written over the token embeddings at (``rows``, ``cols``) [N] int32 before the first layer;
     a padding entry has row B (out of range: dropped).
@@ -150,6 +152,13 @@ def image_input(vc: VisionConfig, ids: np.ndarray, grids: Sequence[Sequence[int]
     as_i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     return ImageInput(position_ids=as_i32(positions), embeds=embeds, rows=as_i32(rows), cols=as_i32(cols),
                       deepstack=tuple(deepstack)), deltas
+
+
+def plain_positions(B: int, T: int) -> tuple[np.ndarray, np.ndarray]:
+    """(positions [3, B, T] int32, ``rope_deltas`` [B] int32) of a model without M-RoPE: token t
+    at position t on all three axes, no delta (Kimi-K2.5's images count as text does)."""
+    positions = np.broadcast_to(np.arange(T, dtype=np.int32), (3, B, T)).copy()
+    return positions, np.zeros((B,), np.int32)
 
 
 def continuation(starts: jax.Array, T: int, rope_deltas: jax.Array) -> ImageInput:

@@ -272,10 +272,11 @@ def forward(
     inside ``shard_map`` over the head split). A
     :class:`~dayzero.model.kernel_attention.PagedKernelCache` (a step on the paged kernels,
     which carries its own mode) is returned written, in place of the new keys/values.
-    ``images`` (Qwen3-VL, Qwen3.5; ``dayzero.model.mrope``): image embeddings written over their
-    placeholders' token embeddings, DeepStack features added after the first layers, and the
-    tokens' M-RoPE positions [3, B, T] used by every attention layer in place of the cache
-    positions (also in text steps after an image prompt, shifted by the rope deltas).
+    ``images`` (Qwen3-VL, Qwen3.5, Kimi-K2.5; ``dayzero.model.mrope``): image embeddings written
+    over their placeholders' token embeddings, DeepStack features added after the first layers, and
+    the tokens' M-RoPE positions [3, B, T] used by every attention layer in place of the cache
+    positions (also in text steps after an image prompt, shifted by the rope deltas); a model
+    without M-RoPE (no ``rope.mrope_section``: Kimi-K2.5) reads the first axis as plain positions.
     """
     B, T = tokens.shape
     if num_new is None:
@@ -287,7 +288,8 @@ def forward(
         rope_len = jnp.maximum(cache.rope_len, jnp.max(starts + num_new))
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     if images is not None:
-        positions = images.position_ids
+        # A model without M-RoPE (Kimi-K2.5) gets its images' positions equal on the three axes: plain RoPE.
+        positions = images.position_ids if config.rope.mrope_section else images.position_ids[0]
     cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
     masks = {
         window: attention_masks(starts, num_new, T, max_len, window)

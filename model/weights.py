@@ -311,6 +311,8 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
     """The weight tree with a :class:`ParamSpec` at every leaf; with ``quant``, a
     :class:`QuantizedArray` of a values spec and a scale spec at each quantized projection."""
     from dayzero.model.compressed_weights import hyper_specs, mtp_specs
+    from dayzero.model.hf_config_vision_kimi import KimiVisionConfig
+    from dayzero.model.vision_kimi_weights import kimi_vision_specs
     from dayzero.model.vision_weights import vision_specs
 
     D, V = config.hidden_size, config.vocab_size
@@ -321,7 +323,8 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
         lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
         hc_head=None if config.hyper is None else hyper_specs(config, config.hyper.mult, 1),
         mtp=mtp_specs(config),
-        vision=None if config.vision is None else vision_specs(config.vision),
+        vision=None if config.vision is None else
+        (kimi_vision_specs if isinstance(config.vision, KimiVisionConfig) else vision_specs)(config.vision),
     )
     if quant is None or quant.weights is WeightQuant.NONE:
         return specs

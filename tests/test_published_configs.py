@@ -1,7 +1,8 @@
 """The config.json files of real published checkpoints parse to the right family and sizes.
 
 Parsing only (no models, no weights). Each config below is the file as its publisher put it on
-the hub, keys and values; where it came from is noted next to it. The bookkeeping keys other
+the hub, keys and values, copied from a verbatim third-party copy noted next to it (GLM-4.5's is
+the one written from the hub page without such a copy). The bookkeeping keys other
 tools add when they save a checkpoint are accepted; an unknown key is still refused by name.
 """
 
@@ -13,9 +14,13 @@ from dayzero.model.config import AttentionKind, ConfigError, Family, RopeType
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.presets import preset_hf_config
 
-# meta-llama/Llama-3.1-8B-Instruct. Keys and values as in the base Llama-3.1-8B config.json
-# vendored verbatim by github.com/citsjtu2020/LLM-Prof (sglang/Model_Config.md); the Instruct
-# file differs only in eos_token_id (three end tokens) and transformers_version.
+# Where a file below came from. Two copies are cited by repository and path. A third, a markdown
+# file in the search tools' code corpus that dumps, for several hub checkpoints, the parameter
+# shapes and then the config.json (index file id 61558565367; the tools do not name its
+# repository), is called "the shapes dump" below.
+
+# meta-llama/Llama-3.1-8B-Instruct, verbatim from the shapes dump. The base Llama-3.1-8B file
+# (LLAMA_31_8B below) differs only in eos_token_id and transformers_version.
 LLAMA_31_8B_INSTRUCT = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009], "hidden_act": "silu",
@@ -28,8 +33,16 @@ LLAMA_31_8B_INSTRUCT = {
     "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 128256,
 }
 
-# mistralai/Mistral-7B-Instruct-v0.3 (written from the hub file; no verbatim copy found in the
-# code corpus): v0.3 extends the vocabulary to 32768 and drops the sliding window.
+# meta-llama/Llama-3.1-8B (base): the Instruct file with the base's single end token and
+# transformers_version, which makes it, key for key, the file vendored verbatim by
+# github.com/ai-dynamo/aiconfigurator
+# aic-core/src/aiconfigurator_core/model_configs/meta-llama--Meta-Llama-3.1-8B_config.json and by
+# github.com/citsjtu2020/LLM-Prof sglang/Model_Config.md.
+LLAMA_31_8B = {**LLAMA_31_8B_INSTRUCT, "eos_token_id": 128001, "transformers_version": "4.43.0.dev0"}
+
+# mistralai/Mistral-7B-Instruct-v0.3, verbatim from the shapes dump; a second copy (a Python dict
+# in a vision-language project's model code, index file id 39283178372) has the same keys and
+# values. v0.3 extends the vocabulary to 32768 and drops the sliding window.
 MISTRAL_7B_INSTRUCT_V03 = {
     "architectures": ["MistralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
     "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
@@ -39,9 +52,8 @@ MISTRAL_7B_INSTRUCT_V03 = {
     "transformers_version": "4.42.0.dev0", "use_cache": True, "vocab_size": 32768,
 }
 
-# Qwen/Qwen2.5-7B-Instruct. Keys and sizes as in the base Qwen2.5-7B file vendored by
-# citsjtu2020/LLM-Prof (which also carries use_mrope: false, tested below); the Instruct file
-# has eos 151645 (<|im_end|>), 32768 positions (YaRN is opt-in) and no use_mrope.
+# Qwen/Qwen2.5-7B-Instruct, verbatim from the shapes dump. The base Qwen2.5-7B file vendored by
+# citsjtu2020/LLM-Prof also carries use_mrope: false (tested below), eos 151643 and 131072 positions.
 QWEN25_7B_INSTRUCT = {
     "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
     "eos_token_id": 151645, "hidden_act": "silu", "hidden_size": 3584, "initializer_range": 0.02,
@@ -52,7 +64,8 @@ QWEN25_7B_INSTRUCT = {
     "use_sliding_window": False, "vocab_size": 152064,
 }
 
-# Qwen/Qwen3-8B, verbatim from citsjtu2020/LLM-Prof (sglang/Model_Config.md).
+# Qwen/Qwen3-8B, verbatim from citsjtu2020/LLM-Prof (sglang/Model_Config.md); ai-dynamo/aiconfigurator
+# aic-core/src/aiconfigurator_core/model_configs/Qwen--Qwen3-8B_config.json is the same file.
 QWEN3_8B = {
     "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
@@ -64,7 +77,8 @@ QWEN3_8B = {
     "use_sliding_window": False, "vocab_size": 151936,
 }
 
-# Qwen/Qwen3-30B-A3B, verbatim from citsjtu2020/LLM-Prof (sglang/Model_Config.md).
+# Qwen/Qwen3-30B-A3B, verbatim from citsjtu2020/LLM-Prof (sglang/Model_Config.md); aiconfigurator's
+# aic-core/src/aiconfigurator_core/model_configs/Qwen--Qwen3-30B-A3B_config.json is the same file.
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
@@ -77,21 +91,24 @@ QWEN3_30B_A3B = {
     "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
 }
 
-# mistralai/Mixtral-8x7B-Instruct-v0.1 (written from the hub file; no verbatim copy found).
-MIXTRAL_8X7B_INSTRUCT = {
+# mistralai/Mixtral-8x7B-v0.1, verbatim from github.com/ai-dynamo/aiconfigurator
+# src/aiconfigurator/model_configs/mistralai--Mixtral-8x7B-v0.1_config.json (added as a
+# "pre-downloaded config.json", commit 38028ec8). No verbatim copy of the Instruct file was found.
+MIXTRAL_8X7B = {
     "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
     "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
     "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
     "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
     "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
     "router_aux_loss_coef": 0.02, "sliding_window": None, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.36.0", "use_cache": True, "vocab_size": 32000,
+    "torch_dtype": "bfloat16", "transformers_version": "4.36.0.dev0", "use_cache": True, "vocab_size": 32000,
 }
 
-# deepseek-ai/DeepSeek-V3.2-Exp (written from the hub file; the DSA keys match the excerpts
-# quoted in several repositories of the code corpus): DeepSeek-V3's file plus the indexer, and
-# the "scale_fmt": "ue8m0" that DeepSeek's FP8 checkpoints carry since V3.1.
-DEEPSEEK_V32_EXP = {
+# deepseek-ai/DeepSeek-V3.2, verbatim from github.com/ai-dynamo/aiconfigurator
+# src/aiconfigurator/model_configs/deepseek-ai--DeepSeek-V3.2_config.json (commit 86911fab):
+# DeepSeek-V3's keys plus the indexer, and the "scale_fmt": "ue8m0" that DeepSeek's FP8
+# checkpoints carry since V3.1. (It is the file this test held, written from the hub, for V3.2-Exp.)
+DEEPSEEK_V32 = {
     "architectures": ["DeepseekV32ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu",
     "hidden_size": 7168, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 2048,
@@ -110,30 +127,51 @@ DEEPSEEK_V32_EXP = {
     "use_cache": True, "v_head_dim": 128, "vocab_size": 129280,
 }
 
-# moonshotai/Kimi-K2-Instruct (July 2025): the Kimi-K2-Instruct-0905 preset (model/presets.py,
-# its published file) with the first release's 128k context (YaRN x32 instead of x64).
+# moonshotai/Kimi-K2-Instruct (July 2025, 128k context, YaRN x32), verbatim from
+# github.com/ai-dynamo/aiconfigurator
+# src/aiconfigurator/model_configs/moonshotai--Kimi-K2-Instruct_config.json (commit d5bad971; an
+# earlier commit there held a shortened copy). Unlike DeepSeek-V3's file it has
+# no ep_size, and rope_scaling follows routed_scaling_factor, as in the derived Kimi-K2 copies
+# elsewhere in the code corpus.
 KIMI_K2_INSTRUCT = {
-    **preset_hf_config("kimi-k2"), "max_position_embeddings": 131072,
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                 "AutoModel": "modeling_deepseek.DeepseekV3Model",
+                 "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"},
+    "aux_loss_alpha": 0.001, "bos_token_id": 163584, "eos_token_id": 163585, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+    "kv_lora_rank": 512, "max_position_embeddings": 131072, "model_type": "kimi_k2",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 384,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 8,
+    "num_hidden_layers": 61, "num_key_value_heads": 64, "num_nextn_predict_layers": 0, "pretraining_tp": 1,
+    "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06, "rope_theta": 50000.0, "routed_scaling_factor": 2.827,
     "rope_scaling": {"beta_fast": 1.0, "beta_slow": 1.0, "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                      "original_max_position_embeddings": 4096, "type": "yarn"},
+    "scoring_func": "sigmoid", "seq_aux": True, "tie_word_embeddings": False, "topk_group": 1,
+    "topk_method": "noaux_tc", "torch_dtype": "bfloat16", "transformers_version": "4.48.3", "use_cache": True,
+    "v_head_dim": 128, "vocab_size": 163840,
 }
 
-# HuggingFaceTB/SmolLM2-135M-Instruct (written from the hub file). Its nanotron-era keys
-# (is_llama_config, rope_interleaved) also appear in the base model's config printed verbatim by
-# github.com/satyasundar/erav3-s13 (README.md).
-SMOLLM2_135M_INSTRUCT = {
+# HuggingFaceTB/SmolLM2-135M (base), verbatim from two copies in the code corpus whose repositories
+# the tools do not name: a markdown study of the model (index file id 11598493191) and a Rust
+# config test (id 70335804244, line breaks aside); a third (id 57806107398) writes 1e-5 for 1e-05.
+# No verbatim copy of the Instruct file was found (a transformers printout of a model fine-tuned
+# from it shows pad_token_id 2 and a transformers.js_config besides these keys).
+SMOLLM2_135M = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 1, "eos_token_id": 2, "head_dim": 64, "hidden_act": "silu", "hidden_size": 576,
+    "bos_token_id": 0, "eos_token_id": 0, "hidden_act": "silu", "hidden_size": 576,
     "initializer_range": 0.041666666666666664, "intermediate_size": 1536, "is_llama_config": True,
-    "max_position_embeddings": 8192, "mlp_bias": False, "model_type": "llama", "num_attention_heads": 9,
-    "num_hidden_layers": 30, "num_key_value_heads": 3, "pad_token_id": 2, "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05, "rope_interleaved": False, "rope_scaling": None, "rope_theta": 100000,
-    "tie_word_embeddings": True, "torch_dtype": "bfloat16",
-    "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
-    "transformers_version": "4.42.3", "use_cache": True, "vocab_size": 49152,
+    "max_position_embeddings": 8192, "model_type": "llama", "num_attention_heads": 9, "num_hidden_layers": 30,
+    "num_key_value_heads": 3, "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_interleaved": False,
+    "rope_scaling": None, "rope_theta": 100000, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "vocab_size": 49152,
 }
 
-# zai-org/GLM-4.5 (written from the hub file; tests/test_glm4_moe.py has the same keys shrunk).
+# zai-org/GLM-4.5 (written from the hub file; no verbatim copy found in the code corpus;
+# tests/test_glm4_moe.py has the same keys shrunk).
 GLM_45 = {
     "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
     "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
@@ -150,18 +188,18 @@ GLM_45 = {
 # name -> (config, family, (vocab, hidden, layers, heads, kv heads, head_dim), experts or None)
 PUBLISHED = {
     "Llama-3.1-8B-Instruct": (LLAMA_31_8B_INSTRUCT, Family.LLAMA, (128256, 4096, 32, 32, 8, 128), None),
+    "Llama-3.1-8B": (LLAMA_31_8B, Family.LLAMA, (128256, 4096, 32, 32, 8, 128), None),
     "Mistral-7B-Instruct-v0.3": (MISTRAL_7B_INSTRUCT_V03, Family.MISTRAL, (32768, 4096, 32, 32, 8, 128), None),
     "Qwen2.5-7B-Instruct": (QWEN25_7B_INSTRUCT, Family.QWEN2, (152064, 3584, 28, 28, 4, 128), None),
     "Qwen3-8B": (QWEN3_8B, Family.QWEN3, (151936, 4096, 36, 32, 8, 128), None),
     "Qwen3-30B-A3B": (QWEN3_30B_A3B, Family.QWEN3_MOE, (151936, 2048, 48, 32, 4, 128), (128, 8, 768)),
-    "Mixtral-8x7B-Instruct-v0.1": (MIXTRAL_8X7B_INSTRUCT, Family.MIXTRAL, (32000, 4096, 32, 32, 8, 128),
-                                   (8, 2, 14336)),
+    "Mixtral-8x7B-v0.1": (MIXTRAL_8X7B, Family.MIXTRAL, (32000, 4096, 32, 32, 8, 128), (8, 2, 14336)),
     # MLA: head_dim is the rotary part (qk_rope_head_dim), kv heads = heads.
     "DeepSeek-V3": (preset_hf_config("deepseek-v3"), Family.DEEPSEEK_V3, (129280, 7168, 61, 128, 128, 64),
                     (256, 8, 2048)),
-    "DeepSeek-V3.2-Exp": (DEEPSEEK_V32_EXP, Family.DEEPSEEK_V32, (129280, 7168, 61, 128, 128, 64), (256, 8, 2048)),
+    "DeepSeek-V3.2": (DEEPSEEK_V32, Family.DEEPSEEK_V32, (129280, 7168, 61, 128, 128, 64), (256, 8, 2048)),
     "Kimi-K2-Instruct": (KIMI_K2_INSTRUCT, Family.KIMI_K2, (163840, 7168, 61, 64, 64, 64), (384, 8, 2048)),
-    "SmolLM2-135M-Instruct": (SMOLLM2_135M_INSTRUCT, Family.LLAMA, (49152, 576, 30, 9, 3, 64), None),
+    "SmolLM2-135M": (SMOLLM2_135M, Family.LLAMA, (49152, 576, 30, 9, 3, 64), None),
     "GLM-4.5": (GLM_45, Family.GLM4_MOE, (151552, 5120, 92, 96, 8, 128), (160, 8, 1536)),
     "gpt-oss-120b": (preset_hf_config("gpt-oss-120b"), Family.GPT_OSS, (201088, 2880, 36, 64, 8, 64),
                      (128, 4, 2880)),
@@ -191,14 +229,13 @@ def test_published_config_parses(name, raw, family, sizes, experts):
 
 
 def test_published_deepseek_v32_reaches_the_config():
-    """DeepSeek-V3.2-Exp's indexer, layer kinds and MTP layer; its quantization_config's scale_fmt
+    """DeepSeek-V3.2's indexer, layer kinds and MTP layer; its quantization_config's scale_fmt
     is accepted at ue8m0 only (another value would be a scheme dayzero has not read)."""
-    c = parse_hf_config(DEEPSEEK_V32_EXP)
+    c = parse_hf_config(DEEPSEEK_V32)
     assert c.family is Family.DEEPSEEK_V32 and c.attention is AttentionKind.MLA
     assert (c.dsa.topk, c.dsa.heads, c.dsa.head_dim) == (2048, 64, 128) and c.mtp_layers == 1
     assert c.moe.layers == (False,) * 3 + (True,) * 58 and c.moe.num_groups == 8
-    other = {**DEEPSEEK_V32_EXP, "quantization_config": {**DEEPSEEK_V32_EXP["quantization_config"],
-                                                          "scale_fmt": "e4m3"}}
+    other = {**DEEPSEEK_V32, "quantization_config": {**DEEPSEEK_V32["quantization_config"], "scale_fmt": "e4m3"}}
     with pytest.raises(ConfigError, match="quantization_config"):
         parse_hf_config(other)
 
@@ -208,6 +245,7 @@ def test_published_details():
     llama = parse_hf_config(LLAMA_31_8B_INSTRUCT)
     assert llama.rope.type is RopeType.LLAMA3 and llama.rope.factor == 8.0 and llama.rope.original_max_position == 8192
     assert llama.eos_token_ids == (128001, 128008, 128009) and not llama.tie_word_embeddings
+    assert parse_hf_config(LLAMA_31_8B).eos_token_ids == (128001,)
     mistral = parse_hf_config(MISTRAL_7B_INSTRUCT_V03)
     assert mistral.sliding_windows == (None,) * 32 and mistral.rope.theta == 1e6
     qwen2 = parse_hf_config(QWEN25_7B_INSTRUCT)
@@ -216,10 +254,13 @@ def test_published_details():
     assert qwen3.qk_norm and not qwen3.qkv_bias
     qwen_moe = parse_hf_config(QWEN3_30B_A3B)
     assert qwen_moe.moe.renormalize and all(qwen_moe.moe.layers)
+    mixtral = parse_hf_config(MIXTRAL_8X7B)
+    assert mixtral.sliding_windows == (None,) * 32 and all(mixtral.moe.layers) and mixtral.moe.renormalize
     kimi = parse_hf_config(KIMI_K2_INSTRUCT)
     assert kimi.mla.q_lora_rank == 1536 and kimi.rope.factor == 32.0 and kimi.moe.layers[:2] == (False, True)
-    smol = parse_hf_config(SMOLLM2_135M_INSTRUCT)
-    assert smol.tie_word_embeddings and smol.rope.theta == 1e5 and smol.eos_token_ids == (2,)
+    assert kimi.max_position_embeddings == 131072 and kimi.mtp_layers == 0 and kimi.eos_token_ids == (163585,)
+    smol = parse_hf_config(SMOLLM2_135M)
+    assert smol.tie_word_embeddings and smol.rope.theta == 1e5 and smol.eos_token_ids == (0,)
     glm = parse_hf_config(GLM_45)
     assert glm.rope.partial_rotary_factor == 0.5 and glm.qk_norm and glm.mtp_layers == 1
 
@@ -236,7 +277,7 @@ def test_qwen25_base_use_mrope_false_is_accepted_and_true_refused():
 def test_rope_interleaved_true_is_refused():
     """nanotron's rope_interleaved is accepted only at the value HF's Llama computes (false)."""
     with pytest.raises(ConfigError, match="rope_interleaved"):
-        parse_hf_config({**SMOLLM2_135M_INSTRUCT, "rope_interleaved": True})
+        parse_hf_config({**SMOLLM2_135M, "rope_interleaved": True})
 
 
 # Keys that transformers, the hub, GGUF loaders and older save_pretrained calls stamp on a file.
@@ -248,6 +289,8 @@ BOOKKEEPING = {
     "architectures": ["Qwen2ForCausalLM"], "temperature": 0.7, "top_p": 0.8, "top_k": 20,
     "do_sample": True, "repetition_penalty": 1.05, "max_length": 20, "num_beams": 1,
     "tokenizer_class": "Qwen2Tokenizer", "add_cross_attention": False, "task_specific_params": None,
+    # transformers.js's KV-cache dtypes, as SmolLM2-135M-Instruct's file carries them.
+    "transformers.js_config": {"kv_cache_dtype": {"q4f16": "float16", "fp16": "float16"}},
 }
 
 

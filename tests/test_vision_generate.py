@@ -5,8 +5,9 @@ The image is made with Pillow and goes through the real preprocessing (``image_p
 equal to HF's processor: tests/test_image_processing.py); HF gets the same pixel values and grid
 and the prompt with the placeholder expanded as its processor expands it. Checked:
 
-- greedy tokens after a prompt with one image are HF's (prefill with M-RoPE positions and the
-  tower's embeddings, then decode steps at cache position + rope delta);
+- 32 greedy tokens after a prompt with one image are HF's, on Qwen3-VL-MoE and Qwen3.5 (prefill
+  with M-RoPE positions and the tower's embeddings, then decode steps at cache position + rope
+  delta);
 - with a prefill chunk smaller than the prompt (image entries sliced per chunk): the same tokens,
   and seeded sampling after an image repeats itself;
 - a text-only prompt on the vision model gives HF's tokens and compiles no image step;
@@ -30,11 +31,11 @@ from dayzero.engine import generate as gen
 from dayzero.engine.generate import Engine, GenerationError
 from dayzero.engine.image_processing import QwenImageConfig, batch_pixels, preprocess_images
 from dayzero.engine.sampling import SamplingParams
-from tests.test_vision_dispatch import TEXT_VOCAB, TOKENS, qwen3vl  # noqa: F401 (the fixture)
+from tests.test_vision_dispatch import TEXT_VOCAB, TOKENS, qwen35, qwen3vl  # noqa: F401 (the fixtures)
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
-NEW = 8
+NEW = 32  # the issue's 32 greedy tokens
 LOGPROB_TOL = 1e-4  # fp32 on both sides; decode positions off by the rope delta move them by > 1e-2
 # The tiny tower's 4-pixel patches: a 40 x 28 image is a (1, 8, 10) grid, 20 image tokens.
 SMALL = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=64, max_pixels=64 * 64)
@@ -85,11 +86,14 @@ def _assert_hfs(out, ref) -> None:
     np.testing.assert_allclose(out.logprobs, ref[1], rtol=0, atol=LOGPROB_TOL)
 
 
-def test_image_prompt_greedy_is_hfs(qwen3vl):
-    """One Pillow image: HF's 8 greedy tokens; the prompt ids come back expanded."""
-    engine = _engine(qwen3vl)
+@pytest.mark.parametrize("name", ["qwen3vl", "qwen35"])
+def test_image_prompt_greedy_is_hfs(name, request):
+    """One Pillow image: HF's 32 greedy tokens (Qwen3-VL-MoE, and Qwen3.5: linear-attention
+    hybrid); the prompt ids come back expanded."""
+    case = request.getfixturevalue(name)
+    engine = _engine(case)
     prompt = _prompt()
-    ref = _hf_greedy(qwen3vl, prompt, _image())
+    ref = _hf_greedy(case, prompt, _image())
     out = engine.generate(prompt, images=[_image()], max_new_tokens=NEW, ignore_eos=True, logprobs=True)
     _assert_hfs(out, ref)
     assert out.prompt_ids.count(TOKENS["image_token_id"]) == 20
