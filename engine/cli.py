@@ -246,6 +246,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--state-snapshots", type=int, metavar="N",
                    help="models with per-sequence states (linear-attention hybrids, DeepSeek-V4): copies of a "
                         "slot's states the prefix cache keeps at page boundaries (default 4 per slot; 0: no prefix cache)")
+    s.add_argument("--speculative", choices=["ngram"],
+                   help="speculative decoding with n-gram drafts verified per decode step; same output distribution")
+    s.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more answer 429 with Retry-After")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

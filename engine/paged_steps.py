@@ -37,6 +37,7 @@ import functools
 import itertools
 import math
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,8 @@ class ServingConfig:
     state_snapshots: for those models, how many copies of a slot's states the prefix cache keeps
     (default 4 x ``slots``; 0 turns their prefix cache off): a cached prefix is reused only up to a
     page boundary whose states were copied when a prefill chunk ended there (see
-    ``dayzero.engine.serving``).
+    ``dayzero.engine.serving``). speculative: a ``speculative.SpecConfig`` (n-gram drafts,
+    verified K+1 tokens per row in one decode step; ``dayzero.engine.serving_spec``), or None.
     """
 
     slots: int = 8
@@ -97,6 +99,7 @@ class ServingConfig:
     prefix_cache: bool = True
     kernels: KernelMode | str | None = None
     state_snapshots: int | None = None
+    speculative: Any = None
 
     def __post_init__(self):
         checks = [
@@ -141,6 +144,10 @@ class ServingConfig:
         # the pages: their prefix cache needs copies of those states at page boundaries.
         states = model.linear is not None or model.compressed is not None
         snapshots = (4 * self.slots if self.state_snapshots is None else self.state_snapshots) if states else 0
+        if self.speculative is not None:
+            from dayzero.engine.serving_spec import check_serving_speculation  # it imports this module
+
+            check_serving_speculation(self.speculative, model, run)
         return dataclasses.replace(self, max_context=context, num_pages=pages, page_size=page_size,
                                    kernels=run.kernels, state_snapshots=snapshots,
                                    prefix_cache=self.prefix_cache and (snapshots > 0 or not states))
@@ -253,11 +260,12 @@ def _image_positions(images, rope_deltas, lengths, T: int):
     return continuation(lengths, T, rope_deltas) if rope_deltas is not None else images
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel"))
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel", "all_logits"))
 def _forward_logits(weights, tokens, num_new, cache, images=None, rope_deltas=None, *, config,
-                    kernels=KernelMode.REFERENCE, parallel=None):
+                    kernels=KernelMode.REFERENCE, parallel=None, all_logits=False):
     images = _image_positions(images, rope_deltas, None if cache is None else cache.lengths, tokens.shape[1])
-    return forward(weights, config, tokens, cache, num_new, kernels=kernels, parallel=parallel, images=images)
+    return forward(weights, config, tokens, cache, num_new, kernels=kernels, parallel=parallel, images=images,
+                   all_logits=all_logits)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
@@ -411,7 +419,7 @@ class PagedSteps:
 
     def run_step(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
                  width: int | None, slots: np.ndarray | None = None, images: ImageInput | None = None,
-                 rope_deltas: np.ndarray | None = None) -> jax.Array:
+                 rope_deltas: np.ndarray | None = None, all_logits: bool = False) -> jax.Array:
         """Forward ``tokens`` [B,T] (``num_new`` real per row) after each row's ``lengths``
         cached positions, write their keys/values into the pages of ``tables`` [B, full width]
         and return the logits of each row's last real token [B,V] (on the device).
@@ -422,12 +430,16 @@ class PagedSteps:
         ``images``: the M-RoPE positions and image entries of a prefill chunk of an image prompt;
         ``rope_deltas`` [B]: the rows' position shifts in a decode step after image prompts (each
         another program, compiled on first use: ``warmup`` compiles the text-only steps).
+        ``all_logits``: return every position's logits [B,T,V] (a speculative verify step; on the
+        gathered reference path).
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
         tables = self._slotted(tables, slots)
         fn, signature, args, static = self._forward_call(tokens, num_new, lengths, tables, width, images,
                                                          rope_deltas)
+        if all_logits:  # (speculation runs on the reference path only: serving_spec refuses kernels)
+            signature, static = signature + ("all_logits",), dict(static, all_logits=True)
         with self._compiling(signature) as done:
             if fn is _forward_in_place:
                 logits, self.pool = _STEPS.call(fn, signature, *args, static=static)

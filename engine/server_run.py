@@ -58,8 +58,14 @@ def serving_config(args: argparse.Namespace):
 
     given = {"slots": args.slots, "page_size": args.page_size, "num_pages": args.num_pages,
              "max_context": args.max_context, "max_chunk": args.max_chunk, "state_snapshots": args.state_snapshots}
-    config = ServingConfig(**{k: v for k, v in given.items() if v is not None}, prefix_cache=not args.no_prefix_cache)
-    return config
+    if args.speculative is not None:
+        from dayzero.engine.speculative import SpecConfig
+
+        spec = {} if args.num_draft_tokens is None else {"num_draft_tokens": args.num_draft_tokens}
+        given["speculative"] = SpecConfig(args.speculative, **spec)
+    elif args.num_draft_tokens is not None:
+        raise ServeError("--num-draft-tokens sets speculative decoding; add --speculative ngram")
+    return ServingConfig(**{k: v for k, v in given.items() if v is not None}, prefix_cache=not args.no_prefix_cache)
 
 
 def run_serve(args: argparse.Namespace, placement) -> int:

@@ -58,6 +58,7 @@ from dayzero.engine.paged_steps import (PagedSteps, RowParams, Sampled, ServingC
                                         sampling_mode)
 from dayzero.engine.paging import PagePool, PoolExhausted, SnapshotPool, page_hashes
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenConstraint, allow_all, mask_words
+from dayzero.engine import serving_spec
 from dayzero.engine.serving_images import RequestImages
 
 
@@ -104,6 +105,8 @@ class ServingStats:
     cancelled: int = 0  # requests withdrawn by ``cancel``
     snapshots_taken: int = 0  # slot states copied at page boundaries (models with per-slot states)
     snapshots_restored: int = 0  # ... and copied back into a slot to reuse a cached prefix
+    spec_drafted: int = 0  # n-gram draft tokens verified (``ServingConfig.speculative``)
+    spec_accepted: int = 0  # ... and accepted
 
 
 @dataclasses.dataclass
@@ -462,7 +465,12 @@ class ServingEngine:
 
     def _decode(self, decoding: list[_Request], masks: dict[int, np.ndarray]) -> list[Event]:
         """One token for every decoding request: their rows packed into the smallest decode batch
-        (padding rows carry no token), so a step costs what its requests need, not all slots."""
+        (padding rows carry no token), so a step costs what its requests need, not all slots.
+        With speculation, a verify step when any row has drafts (``serving_spec``)."""
+        if self.config.speculative is not None:
+            drafted = serving_spec.drafts_for(self, decoding)
+            if drafted is not None:
+                return serving_spec.verify(self, decoding, *drafted)
         B = self.config.decode_batch(len(decoding))
         tokens, num_new, lengths, steps, slots = (np.zeros(B, np.int32) for _ in range(5))
         for row, r in enumerate(decoding):

@@ -8,7 +8,7 @@ Host side, once per request, before the prefill:
 - :func:`expand_placeholders` turns each image's one ``image_token_id`` (as the chat template
   writes it, between vision start and end) into the image's ``num_tokens`` placeholders;
 - :func:`encode` runs the tower once over all images of the batch, compiled per padded patch
-  count (a power of two), never inside the decode loop;
+  count (:func:`patch_bucket`), never inside the decode loop;
 - :class:`ImagePrefill` holds the M-RoPE positions of the padded prompt and the image entries,
   and hands each prefill chunk its slice (:meth:`ImagePrefill.chunk`, columns relative to the
   chunk, entries padded to a bucket so chunks share compiles); ``deltas`` [B] are what every
@@ -35,9 +35,9 @@ from dayzero.model.config import ModelConfig
 from dayzero.model.hf_config_vision_kimi import KimiVisionConfig
 from dayzero.model.mrope import ImageInput, plain_positions, rope_index
 from dayzero.model.vision_kimi import encode_kimi_images
-from dayzero.model.vision_qwen import encode_images
+from dayzero.model.vision_qwen import VISION_QUERY_BLOCK, encode_images
 
-MIN_PATCH_BUCKET = 64  # patches per tower call, rounded up to a power of two from here
+MIN_PATCH_BUCKET = 64  # patches per tower call, rounded up to a bucket (patch_bucket) from here
 MIN_ENTRY_BUCKET = 16  # image entries per prefill chunk, likewise
 
 
@@ -86,7 +86,7 @@ def expand_placeholders(ids: list[int], images: Sequence[ProcessedImage], image_
 
 
 def encode(weights, config: ModelConfig, images: Sequence[ProcessedImage]) -> tuple[jax.Array, list[jax.Array]]:
-    """The tower over ``images`` in one call, padded to a power-of-two patch count (one compile per
+    """The tower over ``images`` in one call, padded to a :func:`patch_bucket` (one compile per
     bucket): merged embeddings [N, D] (N: the images' tokens, in order) and DeepStack features
     (none for Kimi-K2.5)."""
     pixels, grids = batch_pixels(list(images))
@@ -98,10 +98,15 @@ def encode(weights, config: ModelConfig, images: Sequence[ProcessedImage]) -> tu
 
 
 def patch_bucket(config: ModelConfig, patches: int) -> int:
-    """The padded patch count :func:`encode` runs ``patches`` patches at (its compile key): a power
-    of two from ``MIN_PATCH_BUCKET`` on, a multiple of the merge unit."""
+    """The padded patch count :func:`encode` runs ``patches`` patches at (its compile key), a
+    multiple of the merge unit: the next power of two from ``MIN_PATCH_BUCKET`` on, or, where an
+    eighth of that power of two is at least the tower's query block (above 2048 patches, with
+    blocks of 512), the next multiple of that eighth: four buckets per octave (at most 25% padding,
+    not 100%), each a whole number of query blocks (896 px: 3136 patches run as 3584, not 4096)."""
     unit = config.vision.merge_unit
     padded = _pow2(patches, max(MIN_PATCH_BUCKET, unit))
+    if padded // 8 >= VISION_QUERY_BLOCK:
+        padded = -(-patches // (padded // 8)) * (padded // 8)
     return -(-padded // unit) * unit
 
 

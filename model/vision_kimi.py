@@ -177,9 +177,10 @@ def _positions(w: KimiVisionWeights, kc: KimiVisionConfig, layout: KimiVisionLay
     return pos + jnp.asarray(time_table(kc), dtype)[layout.frame]
 
 
-def kimi_vision_block(w: VisionBlockWeights, kc: KimiVisionConfig, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:
-    """One pre-norm block over ``x`` [1,P,Dv]: x + attn(LN x), then + mlp(LN x)."""
-    x = x + vision_attention(w.attn, layer_norm(x, w.norm1, w.norm1_bias, TOWER_EPS), cos_sin, mask)
+def kimi_vision_block(w: VisionBlockWeights, kc: KimiVisionConfig, x: jax.Array, cos_sin,
+                      segment: jax.Array) -> jax.Array:
+    """One pre-norm block over ``x`` [1,P,Dv]: x + attn(LN x) within ``segment`` [P], then + mlp(LN x)."""
+    x = x + vision_attention(w.attn, layer_norm(x, w.norm1, w.norm1_bias, TOWER_EPS), cos_sin, segment)
     return x + vision_mlp(w.mlp, layer_norm(x, w.norm2, w.norm2_bias, TOWER_EPS), kc.hidden_act)
 
 
@@ -197,11 +198,9 @@ def kimi_vision_forward(w: KimiVisionWeights, kc: KimiVisionConfig, pixel_values
     x = pixel_values.astype(dtype) @ dequantized(w.patch, dtype) + w.patch_bias
     x = x + _positions(w, kc, layout, dtype)
     cos_sin = _rope_tables(kc, layout.rope_wh)
-    seg = layout.segment
-    mask = ((seg[:, None] == seg[None, :]) & (seg[:, None] >= 0))[None]
     x = x[None]
     for block in w.blocks:
-        x = kimi_vision_block(block, kc, x, cos_sin, mask)
+        x = kimi_vision_block(block, kc, x, cos_sin, layout.segment)
     x = layer_norm(x[0], w.final_norm, w.final_norm_bias, TOWER_EPS)
     # Mean over each clip's frames into its output rows (HF's temporal_merge, in float32).
     pooled = jax.ops.segment_sum(x.astype(jnp.float32) * layout.merge_weight[:, None], layout.merge_slot,

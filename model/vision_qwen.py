@@ -147,20 +147,56 @@ def vision_mlp(w: VisionMLPWeights, x: jax.Array, act: VisionAct) -> jax.Array:
     return h @ dequantized(w.fc2, x.dtype) + w.fc2_bias
 
 
+# Queries per attention block: scratch is N x block x P scores, linear in the patch count P.
+# A tower call of at most this many patches attends in one block (the plain dense product).
+VISION_QUERY_BLOCK = 512
+
+
+def _segment_mask(query_segment: jax.Array, key_segment: jax.Array) -> jax.Array:
+    """[1,Tq,P]: a query sees the keys of its own segment; padding (segment -1) sees none."""
+    return ((query_segment[:, None] == key_segment[None, :]) & (query_segment[:, None] >= 0))[None]
+
+
+def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment: jax.Array,
+                      block: int | None = None) -> jax.Array:
+    """Bidirectional attention of ``q`` [1,P,N,H] over ``k``, ``v`` [1,P,N,H] within equal
+    ``segment`` [P] ids (-1: padding, sees nothing, gives zeros) -> [1,P,N,H].
+
+    Above ``block`` patches (None: :data:`VISION_QUERY_BLOCK`, read at trace time) the queries go
+    in blocks of ``block`` (the last padded with segment -1), each over all keys with its slice of
+    the mask, so scratch grows as block x P per head instead of P x P; a block of padding only
+    is skipped. Each query row's softmax is the one-block (dense) path's, to fp32 rounding."""
+    P, block = q.shape[1], block or VISION_QUERY_BLOCK
+    if P <= block:
+        return attend(q, None, None, k, v, (None, _segment_mask(segment, segment)))
+    nb = -(-P // block)
+    q_blocks = jnp.pad(q, ((0, 0), (0, nb * block - P), (0, 0), (0, 0))).reshape(nb, 1, block, *q.shape[2:])
+    seg_blocks = jnp.pad(segment, (0, nb * block - P), constant_values=-1).reshape(nb, block)
+
+    def one(args):
+        qb, sb = args
+        dense = lambda: attend(qb, None, None, k, v, (None, _segment_mask(sb, segment)))  # noqa: E731
+        return jax.lax.cond(jnp.any(sb >= 0), dense, lambda: jnp.zeros_like(qb))
+
+    out = jax.lax.map(one, (q_blocks, seg_blocks))  # [nb, 1, block, N, H]
+    return out.reshape(1, nb * block, *q.shape[2:])[:, :P]
+
+
 def vision_attention(w: AttentionWeights, x: jax.Array, cos_sin: tuple[jax.Array, jax.Array],
-                     mask: jax.Array) -> jax.Array:
-    """Bidirectional self-attention of ``x`` [1,P,Dv] where ``mask`` [1,P,P] allows."""
+                     segment: jax.Array) -> jax.Array:
+    """Bidirectional self-attention of ``x`` [1,P,Dv] within each ``segment`` [P] (an image or
+    frame; -1 padding): :func:`segment_attention`."""
     q, k, v = (jnp.einsum("btd,dnh->btnh", x, dequantized(p, x.dtype)) + b
                for p, b in ((w.q, w.q_bias), (w.k, w.k_bias), (w.v, w.v_bias)))
     q, k = apply_rope(q, *cos_sin), apply_rope(k, *cos_sin)
-    out = attend(q, None, None, k, v, (None, mask))
+    out = segment_attention(q, k, v, segment)
     B, T, N, H = out.shape
     return out.reshape(B, T, N * H) @ dequantized(w.o, x.dtype).reshape(N * H, -1) + w.o_bias
 
 
-def vision_block(w: VisionBlockWeights, vc: VisionConfig, x: jax.Array, cos_sin, mask: jax.Array) -> jax.Array:
-    """One pre-norm block: x + attn(LN x), then + mlp(LN x)."""
-    x = x + vision_attention(w.attn, layer_norm(x, w.norm1, w.norm1_bias), cos_sin, mask)
+def vision_block(w: VisionBlockWeights, vc: VisionConfig, x: jax.Array, cos_sin, segment: jax.Array) -> jax.Array:
+    """One pre-norm block: x + attn(LN x), then + mlp(LN x); attention within ``segment`` [P]."""
+    x = x + vision_attention(w.attn, layer_norm(x, w.norm1, w.norm1_bias), cos_sin, segment)
     return x + vision_mlp(w.mlp, layer_norm(x, w.norm2, w.norm2_bias), vc.hidden_act)
 
 
@@ -191,11 +227,10 @@ def vision_forward(w: VisionWeights, vc: VisionConfig, pixel_values: jax.Array,
     x = x + jnp.sum(table[layout.pos_index] * layout.pos_weight[..., None].astype(dtype), axis=1)
     cos_sin = _rope_tables(vc, layout.rope_hw)
     seg = layout.segment
-    mask = ((seg[:, None] == seg[None, :]) & (seg[:, None] >= 0))[None]
     x = x[None]
     deepstack = []
     for i, block in enumerate(w.blocks):
-        x = vision_block(block, vc, x, cos_sin, mask)
+        x = vision_block(block, vc, x, cos_sin, seg)
         if i in vc.deepstack_indexes:
             deepstack.append(merge_patches(w.deepstack[vc.deepstack_indexes.index(i)], vc, x[0], post_shuffle=True))
     merged = merge_patches(w.merger, vc, x[0], post_shuffle=False)

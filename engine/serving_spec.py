@@ -1,0 +1,116 @@
+"""Speculative decoding in the serving engine (``ServingConfig(speculative=SpecConfig(...))``).
+
+Each decode step, every decoding request gets n-gram drafts from its own tokens
+(``speculative.ngram_draft``; at most K, and no more than its remaining tokens less one). If any
+row has drafts, the step is a verify step instead of a one-token one: each row feeds its last
+token and its drafts (T = K+1, padded) through the paged forward with every position's logits,
+and ``speculative.accept_drafts`` keeps the argmax prefix (greedy rows) or applies rejection
+sampling (sampled rows), so every request's output is distributed as without speculation, and
+greedy output is identical. The pages are "rolled back" by bookkeeping: all K+1 positions are
+written, but the request's ``computed`` count grows only by what it kept (its last token and its
+accepted drafts), so rejected positions are never read and are overwritten by the next step;
+only full pages of kept tokens enter the prefix cache.
+
+Pages for the drafts are taken only while the pool keeps its reserve (one page per running
+request); a row without room drafts fewer tokens. A batch with a constrained request (masks
+are per position) or one asking for top logprobs runs the plain decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax
+import numpy as np
+
+from dayzero.engine.generate import GenerationError
+from dayzero.engine.paged_steps import _STEPS, RowParams, Sampled, _pinned, sampling_mode
+from dayzero.engine.sampling import RowSampling, SamplingMode
+from dayzero.engine.speculative import DraftKind, SpecConfig, accept_drafts, ngram_draft, speculative_refusal
+
+if TYPE_CHECKING:
+    from dayzero.engine.serving import ServingEngine, _Request
+
+
+def check_serving_speculation(spec, model, run) -> None:
+    """Raise :class:`GenerationError` if a serving engine cannot speculate with ``spec``."""
+    if not isinstance(spec, SpecConfig):
+        raise GenerationError(f"speculative={spec!r} is not a SpecConfig")
+    if spec.kind is not DraftKind.NGRAM:
+        raise GenerationError("serving speculates with the ngram drafter only (a draft model would need its own "
+                              "page pool); use SpecConfig('ngram') or --speculative ngram")
+    reason = speculative_refusal(model, run)
+    if reason is not None:
+        raise GenerationError(reason)
+
+
+@functools.partial(jax.jit, static_argnames=("mode", "layout"))
+def _accept(logits, drafts, num_drafts, temperature, top_k, top_p, min_p, keys, steps, *, mode: SamplingMode,
+            layout=None):
+    rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(keys))
+    return _pinned(accept_drafts(logits, drafts, num_drafts, rows, steps, mode), layout)
+
+
+def _room(server: "ServingEngine", r: "_Request", wanted: int) -> int:
+    """How many of ``wanted`` drafts ``r``'s pages can hold after its next token, taking more
+    pages while the pool keeps one in reserve for every running request."""
+    page = server.config.page_size
+    reserve = len(server._running())
+    while len(r.pages) * page < r.computed + 1 + wanted and server.pool.available > reserve:
+        r.pages.append(server.pool.allocate())
+    return max(0, min(wanted, len(r.pages) * page - r.computed - 1))
+
+
+def drafts_for(server: "ServingEngine", decoding: list["_Request"]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Each decoding request's drafts [B,K] and their counts [B] (B the decode batch), or None
+    when this step decodes plainly (no drafts, or a row that needs per-token masks or top logprobs)."""
+    spec: SpecConfig = server.config.speculative
+    if any(r.constraint is not None or r.top_logprobs for r in decoding):
+        return None
+    K, (min_n, max_n) = spec.num_draft_tokens, spec.ngram
+    B = server.config.decode_batch(len(decoding))
+    drafts, counts = np.zeros((B, K), np.int32), np.zeros(B, np.int32)
+    for row, r in enumerate(decoding):
+        wanted = min(K, r.max_new_tokens - r.generated - 1)
+        d = ngram_draft(np.asarray(r.tokens, np.int32), wanted, min_n, max_n) if wanted > 0 else []
+        d = d[: _room(server, r, len(d))] if len(d) else d
+        drafts[row, : len(d)], counts[row] = d, len(d)
+    return (drafts, counts) if counts.any() else None
+
+
+def verify(server: "ServingEngine", decoding: list["_Request"], drafts: np.ndarray, counts: np.ndarray) -> list:
+    """One verify step for ``decoding`` with ``drafts`` [B,K] (``counts`` [B] real): each row
+    emits its accepted drafts and one token of the target's own; returns the Events."""
+    B, K = drafts.shape
+    tokens, num_new, lengths, slots = (np.zeros((B, K + 1), np.int32), np.zeros(B, np.int32),
+                                       np.zeros(B, np.int32), np.zeros(B, np.int32))
+    for row, r in enumerate(decoding):
+        tokens[row, 0], tokens[row, 1:] = r.tokens[-1], drafts[row]
+        num_new[row], lengths[row], slots[row] = 1 + counts[row], r.computed, r.slot
+    cfg = server.config
+    width = cfg.table_width(max(cfg.pages_for(r.computed + 1 + K) for r in decoding))
+    steps_ = server.steps
+    logits = steps_.run_step(tokens, num_new, lengths, server._tables(decoding, B), width, slots, all_logits=True)
+    params = [r.params for r in decoding]
+    rows = RowParams.of(params, [r.key for r in decoding], B)
+    generated = np.zeros(B, np.int32)
+    generated[: len(decoding)] = [r.generated for r in decoding]
+    mode = sampling_mode(params)
+    args = steps_._host((drafts, counts, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data,
+                         generated))
+    out = _STEPS.call(_accept, ("accept", server.engine.config, steps_.run, B, K, mode), logits, *args,
+                      static=dict(mode=mode, layout=steps_.sample_layout))
+    out_tokens, out_logprobs, accepted = (np.asarray(x) for x in out)
+    server.stats.decode_steps += 1
+    events = []
+    for row, r in enumerate(decoding):
+        server.stats.spec_drafted += int(counts[row])
+        server.stats.spec_accepted += int(accepted[row])
+        for j in range(int(accepted[row]) + 1):
+            server._written(r, 1)  # the position of the token fed before this one
+            server.stats.decode_tokens += 1
+            events.append(server._emit(r, Sampled(out_tokens[:, j], out_logprobs[:, j]), row))
+            if r.finish_reason is not None:
+                break
+    return events
