@@ -117,7 +117,7 @@ def write_deepseek2_gguf(path, model, split_kv_b: bool = True, edit=None):
     """A deepseek2 GGUF of ``model``; ``edit(tensors)`` may change the tensors before writing."""
     w = gguf.GGUFWriter(path, "deepseek2")
     add_deepseek2_hparams(w, model.config, split_kv_b)
-    add_gguf_tokenizer(w, "gpt-2")  # DeepSeek-V3 files say "deepseek-v3", which tokenizer_export lacks
+    add_gguf_tokenizer(w, "deepseek-v3")  # as DeepSeek-V3 files name their pre-tokenizer
     tensors = deepseek2_tensors(model, split_kv_b)
     if edit:
         edit(tensors)
