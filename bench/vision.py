@@ -21,10 +21,11 @@ model of ``--text-layers`` layers at ``--text-width`` (heads of 128, half as man
 
 1. Vision step against image size: a random square image of each ``--sizes`` side goes through
    the real preprocessing (the published pixel bounds: 224 px is upscaled to 256) and
-   ``engine.vision_step.encode``, which pads the patches to a power-of-two bucket (one compile
-   each). Reported: patches (real and padded), image tokens, the first call's seconds (compile
-   and one run), the median of ``--repeats`` warm calls, XLA's FLOP count of the step and the
-   achieved rate, XLA's compiled memory (``memory_analysis``: arguments, i.e. mostly the weights,
+   ``engine.vision_step.encode``, which pads the patches to a bucket (``patch_bucket``; one
+   compile each). Reported: patches (real and padded), image tokens, the first call's seconds
+   (compile and one run), the median of ``--repeats`` warm calls, XLA's FLOP count of the step
+   (of its lowering with attention in one query block: the compiled step's count takes its loop
+   over query blocks once) and the achieved rate, XLA's compiled memory (``memory_analysis``: arguments, i.e. mostly the weights,
    + outputs + temporaries) and the process's peak RSS above its level before the call (the
    first call and the warm calls separately: ``/proc/self/clear_refs`` resets the high-water mark).
 2. Time to first token (``Engine.generate(..., max_new_tokens=1)``, warm: one untimed call each
@@ -70,7 +71,8 @@ from dayzero.engine import vision_step  # noqa: E402
 from dayzero.engine.generate import Engine  # noqa: E402
 from dayzero.model.config import ModelConfig  # noqa: E402
 from dayzero.model.hf_config_vision import parse_qwen_vl_config  # noqa: E402
-from dayzero.model.vision_qwen import _vision_step, vision_layout  # noqa: E402
+from dayzero.model import vision_qwen  # noqa: E402
+from dayzero.model.vision_qwen import _vision_step, vision_forward, vision_layout  # noqa: E402
 from dayzero.model.weights import abstract_weights, init_weights  # noqa: E402
 from dayzero.tools.measure import bench_prompt, rss_mb  # noqa: E402
 
@@ -140,6 +142,18 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
+def _dense_cost(weights, vc, pixels, layout) -> dict:
+    """XLA's cost analysis of the tower with its attention in one query block: the compiled
+    step's own counts its loop over query blocks once, not once per block. From the lowering
+    (not compiled: the dense program's scratch would be P x P); the arithmetic is the same."""
+    block, vision_qwen.VISION_QUERY_BLOCK = vision_qwen.VISION_QUERY_BLOCK, pixels.shape[0]
+    try:  # a fresh jit: the block size is read at trace time
+        cost = jax.jit(lambda w, x, lay: vision_forward(w, vc, x, lay)).lower(weights, pixels, layout).cost_analysis()
+    finally:
+        vision_qwen.VISION_QUERY_BLOCK = block
+    return cost[0] if isinstance(cost, list) else cost  # a list of one dict on older jax
+
+
 def compiled_stats(engine: Engine, processed) -> dict:
     """XLA's view of the compiled tower step ``encode`` ran for ``processed`` (already compiled:
     lowering the same shapes again hits jax's cache): memory by kind and FLOPs."""
@@ -150,8 +164,7 @@ def compiled_stats(engine: Engine, processed) -> dict:
     shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), layout)
     pixels = jax.ShapeDtypeStruct((padded, vc.patch_dim), np.float32)
     compiled = _vision_step.lower(engine.weights.vision, vc, pixels, shapes).compile()
-    mem, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost  # a list of one dict on older jax
+    mem, cost = compiled.memory_analysis(), _dense_cost(engine.weights.vision, vc, pixels, shapes)
     mb = lambda n: n / 2**20  # noqa: E731
     out = {"xla_args_mb": mb(mem.argument_size_in_bytes), "xla_out_mb": mb(mem.output_size_in_bytes),
            "xla_temp_mb": mb(mem.temp_size_in_bytes), "gflop": (cost or {}).get("flops", float("nan")) / 1e9}

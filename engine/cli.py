@@ -246,6 +246,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--state-snapshots", type=int, metavar="N",
                    help="models with per-sequence states (linear-attention hybrids, DeepSeek-V4): copies of a "
                         "slot's states the prefix cache keeps at page boundaries (default 4 per slot; 0: no prefix cache)")
+    s.add_argument("--swap-space", metavar="SIZE",
+                   help="host memory for the KV pages of preempted requests, copied back instead of recomputed, "
+                        "e.g. 4GiB (default: the device pool's size; 0: recompute)")
     s.add_argument("--speculative", choices=["ngram"],
                    help="speculative decoding with n-gram drafts verified per decode step; same output distribution")
     s.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")

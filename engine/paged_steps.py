@@ -86,6 +86,9 @@ class ServingConfig:
     page boundary whose states were copied when a prefill chunk ended there (see
     ``dayzero.engine.serving``). speculative: a ``speculative.SpecConfig`` (n-gram drafts,
     verified K+1 tokens per row in one decode step; ``dayzero.engine.serving_spec``), or None.
+    swap_bytes: host memory for the pages (and slot states) of preempted requests, copied back
+    at readmission instead of recomputed (``dayzero.engine.kv_swap``; default: as much as the
+    device pool; 0: recompute).
     """
 
     slots: int = 8
@@ -100,6 +103,7 @@ class ServingConfig:
     kernels: KernelMode | str | None = None
     state_snapshots: int | None = None
     speculative: Any = None
+    swap_bytes: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -107,6 +111,7 @@ class ServingConfig:
             (self.page_size is None or self.page_size >= 1, "page_size", "at least 1"),
             (self.num_pages is None or self.num_pages >= 1, "num_pages", "at least 1"),
             (self.state_snapshots is None or self.state_snapshots >= 0, "state_snapshots", "at least 0"),
+            (self.swap_bytes is None or self.swap_bytes >= 0, "swap_bytes", "at least 0"),
             (self.max_context is None or self.max_context >= 2, "max_context", "at least 2"),
             (_pow2(self.min_chunk) and _pow2(self.max_chunk) and self.min_chunk <= self.max_chunk,
              "max_chunk", f"a power of two >= min_chunk={self.min_chunk} (also a power of two)"),

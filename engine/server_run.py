@@ -58,6 +58,13 @@ def serving_config(args: argparse.Namespace):
 
     given = {"slots": args.slots, "page_size": args.page_size, "num_pages": args.num_pages,
              "max_context": args.max_context, "max_chunk": args.max_chunk, "state_snapshots": args.state_snapshots}
+    if args.swap_space is not None:
+        from dayzero.sharding.planner import PlanError, parse_size
+
+        try:
+            given["swap_bytes"] = 0 if args.swap_space.strip() == "0" else parse_size(args.swap_space)
+        except PlanError:
+            raise ServeError(f"--swap-space {args.swap_space!r} is not a size; write e.g. 4GiB, 500MB or 0") from None
     if args.speculative is not None:
         from dayzero.engine.speculative import SpecConfig
 

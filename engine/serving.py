@@ -51,6 +51,7 @@ import dataclasses
 import itertools
 from typing import Iterator, Sequence
 
+import jax
 import numpy as np
 
 from dayzero.engine.generate import Completion, Engine, GenerationError, check_max_new_tokens
@@ -59,6 +60,7 @@ from dayzero.engine.paged_steps import (PagedSteps, RowParams, Sampled, ServingC
 from dayzero.engine.paging import PagePool, PoolExhausted, SnapshotPool, page_hashes
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenConstraint, allow_all, mask_words
 from dayzero.engine import serving_spec
+from dayzero.engine.kv_swap import HostSwap, Swapped
 from dayzero.engine.serving_images import RequestImages
 
 
@@ -107,6 +109,9 @@ class ServingStats:
     snapshots_restored: int = 0  # ... and copied back into a slot to reuse a cached prefix
     spec_drafted: int = 0  # n-gram draft tokens verified (``ServingConfig.speculative``)
     spec_accepted: int = 0  # ... and accepted
+    swapped_out: int = 0  # preempted requests whose pages went to host memory (``kv_swap``)
+    swapped_in: int = 0  # ... and came back at readmission
+    swapped_tokens: int = 0  # positions restored from host memory instead of recomputed
 
 
 @dataclasses.dataclass
@@ -129,6 +134,7 @@ class _Request:
     slot: int | None = None
     restore: int | None = None  # the snapshot row its slot's states come from at admission
     images: RequestImages | None = None  # an image prompt's images (``serving_images``)
+    swapped: Swapped | None = None  # its pages on the host while preempted (``kv_swap``)
     admitted: int = -1  # admission order (preemption takes the latest)
     finish_reason: str | None = None
 
@@ -176,6 +182,9 @@ class ServingEngine:
         self.pool = PagePool(self.config.num_pages)  # the pages' bookkeeping
         # Which prefixes' slot states are kept (models with per-slot states and a prefix cache).
         self.snapshots = SnapshotPool(self.config.state_snapshots) if self.steps.snapshots is not None else None
+        # Host memory for preempted requests' pages (one process only: a process holds its shards).
+        budget = self.steps.kv_bytes if self.config.swap_bytes is None else self.config.swap_bytes
+        self.swap = HostSwap(self.steps, budget) if budget and jax.process_count() == 1 else None
         self.stats = ServingStats()
         self._ids = itertools.count()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -306,6 +315,8 @@ class ServingEngine:
         for r in self._waiting:
             if r.id == request_id:
                 self._waiting.remove(r)
+                if r.swapped is not None:
+                    self.swap.release(r.swapped)
                 break
         else:
             r = next((r for r in self._running() if r.id == request_id), None)
@@ -360,8 +371,9 @@ class ServingEngine:
             if not self._allocate(r):
                 return
             self._waiting.popleft()
-            self.stats.cached_tokens += r.computed
-            self.stats.lookup_tokens += r.prefill_target
+            if r.swapped is None:
+                self.stats.cached_tokens += r.computed
+                self.stats.lookup_tokens += r.prefill_target
             if r.admitted < 0:  # first admission (not a readmission after preemption)
                 self.stats.prompt_tokens += len(r.prompt)
             r.admitted = next(self._admissions)
@@ -371,10 +383,22 @@ class ServingEngine:
                 self.steps.restore(r.slot, r.restore)
                 self.stats.snapshots_restored += 1
                 r.restore = None
+            if r.swapped is not None:  # its pages and states back from the host
+                self.swap.into(r.swapped, r.pages, r.slot)
+                self.stats.swapped_in += 1
+                self.stats.swapped_tokens += r.computed
+                r.swapped = None
 
     def _allocate(self, r: _Request) -> bool:
         """Give ``r`` the pages of its whole prompt (its cached prefix's first), if the pool has them
         with one page of growth left for every running request; whether it did."""
+        if r.swapped is not None:  # readmitted after a swap: fresh pages, filled from the host
+            needed = self.config.pages_for(len(r.tokens))
+            if self.pool.available < needed + len(self._running()):
+                return False
+            r.pages = [self.pool.allocate() for _ in range(needed)]
+            r.computed, r.registered = r.swapped.computed, 0
+            return True
         matched = []
         if self.config.prefix_cache:
             r.hashes = page_hashes(self._hashed(r), self.config.page_size, r.hashes)
@@ -418,8 +442,12 @@ class ServingEngine:
         return [r for r in self._running() if not r.prefilling]
 
     def _preempt(self, r: _Request) -> None:
-        """Free ``r``'s pages and slot; it goes to the front of the queue, to be recomputed (into
+        """Free ``r``'s pages and slot; it goes to the front of the queue, its pages and slot
+        states copied to host memory if they fit the swap budget, else to be recomputed (into
         whichever slot it gets next)."""
+        if self.swap is not None and r.computed:
+            r.swapped = self.swap.out(r.pages[: self.config.pages_for(r.computed)], r.computed, r.slot)
+            self.stats.swapped_out += r.swapped is not None
         self._free(r)
         r.computed, r.registered = 0, 0
         self._waiting.appendleft(r)

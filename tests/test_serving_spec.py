@@ -102,3 +102,7 @@ def test_serve_options():
     assert serving_config(parse(["serve"])).speculative is None
     with pytest.raises(ServeError, match="add --speculative ngram"):
         serving_config(parse(["serve", "--num-draft-tokens", "2"]))
+    assert serving_config(parse(["serve", "--swap-space", "2MiB"])).swap_bytes == 2 << 20
+    assert serving_config(parse(["serve", "--swap-space", "0"])).swap_bytes == 0
+    with pytest.raises(ServeError, match="--swap-space 'lots' is not a size"):
+        serving_config(parse(["serve", "--swap-space", "lots"]))
