@@ -43,7 +43,7 @@ import numpy as np
 
 from dayzero.tools.bench import kv_cache_bytes
 from dayzero.engine.generate import Engine, cache_length
-from dayzero.tools.measure import bench_prompt
+from dayzero.tools.measure import bench_prompt, peak_rss_since_reset_mb, reset_peak_rss
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
 from dayzero.kernels import KernelMode, resolve_mode
@@ -174,7 +174,7 @@ def memory(args: argparse.Namespace, kind: str, length: int) -> dict:
     engine = load_engine(args)
     prompt = bench_prompt(engine.config.vocab_size, length, 1, engine.eos_ids)[0]
     dtype = engine.weights.embed.dtype
-    loaded = _reset_peak_rss()
+    loaded = reset_peak_rss()
     if kind == "contiguous":
         engine.generate(prompt, max_new_tokens=LONG_NEW, ignore_eos=True)
         out = {"kv_allocated_mb": kv_cache_bytes(engine.config, 1, cache_length(length, LONG_NEW), dtype) / 2**20}
@@ -186,26 +186,9 @@ def memory(args: argparse.Namespace, kind: str, length: int) -> dict:
         out = {"kv_allocated_mb": server.kv_bytes / 2**20,
                "kv_peak_in_use_mb": server.stats.peak_pages * server.kv_bytes / (config.num_pages * len(server.replicas))
                / 2**20}
-    return {**out, "rss_after_load_mb": loaded, "peak_rss_after_load_mb": _peak_rss()}
+    return {**out, "rss_after_load_mb": loaded, "peak_rss_after_load_mb": peak_rss_since_reset_mb()}
 
 
-def _status_mb(field: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
-def _reset_peak_rss() -> float:
-    """Reset the process's RSS high-water mark (Linux ``clear_refs``); returns the current RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_mb("VmRSS")
-
-
-def _peak_rss() -> float:
-    """RSS high-water mark since the last reset, MiB (``ru_maxrss`` would also count the parent's)."""
-    return _status_mb("VmHWM")
 
 
 def mixed_batch_kv(engine: Engine, long: int, short: int, batch: int, new_tokens: int) -> dict:

@@ -74,7 +74,7 @@ from dayzero.model.hf_config_vision import parse_qwen_vl_config  # noqa: E402
 from dayzero.model import vision_qwen  # noqa: E402
 from dayzero.model.vision_qwen import _vision_step, vision_forward, vision_layout  # noqa: E402
 from dayzero.model.weights import abstract_weights, init_weights  # noqa: E402
-from dayzero.tools.measure import bench_prompt, rss_mb  # noqa: E402
+from dayzero.tools.measure import bench_prompt, peak_rss_since_reset_mb, reset_peak_rss, rss_mb  # noqa: E402
 
 # Published vision_config sizes (HF Qwen3VLVisionConfig's defaults are the first; the second is
 # the Qwen3-VL-2B/4B checkpoints'). Patch 16, temporal 2, merge 2, 2304 positions: both.
@@ -122,18 +122,6 @@ def square_image(side: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (side, side, 3), dtype=np.uint8)
 
 
-def _status_mb(field: str) -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> float:
-    """Reset the RSS high-water mark (Linux ``clear_refs``); the current RSS, MiB."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_mb("VmRSS")
 
 
 def _timed(fn) -> tuple[float, object]:
@@ -177,12 +165,12 @@ def vision_row(engine: Engine, side: int, repeats: int) -> dict:
     preprocess_s, processed = _timed(lambda: vision_step.preprocess([square_image(side)], engine.image_config))
     patches = processed[0].pixel_values.shape[0]
     encode = lambda: vision_step.encode(engine.weights, engine.config, processed)  # noqa: E731
-    before = _reset_peak()
+    before = reset_peak_rss()
     compile_s, _ = _timed(encode)
-    compile_peak = _status_mb("VmHWM") - before
-    before = _reset_peak()
+    compile_peak = peak_rss_since_reset_mb() - before
+    before = reset_peak_rss()
     times = [_timed(encode)[0] for _ in range(repeats)]
-    warm_peak = _status_mb("VmHWM") - before
+    warm_peak = peak_rss_since_reset_mb() - before
     row = {"side_px": side, "grid": list(map(int, processed[0].grid_thw)), "patches": patches,
            "padded_patches": vision_step.patch_bucket(engine.config, patches), "image_tokens": processed[0].num_tokens,
            "preprocess_ms": 1e3 * preprocess_s, "compile_call_s": compile_s,

@@ -28,10 +28,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dayzero.engine.cli import main
 from dayzero.engine.generate import Engine
 from dayzero.engine.image_processing import QwenImageConfig
 from dayzero.engine.tokenizer import Tokenizer
+from tests.test_cli import _run
 from tests.test_vision_dispatch import TOKENS, qwen3vl  # noqa: F401 (the fixture)
 from tests.test_vision_generate import SMALL
 
@@ -98,15 +98,6 @@ def vl(qwen3vl, tmp_path_factory):  # noqa: F811 (the imported fixture)
     qwen3vl.tokenizer, qwen3vl.engine = tokenizer, engine
     qwen3vl.image = write_image(tmp_path_factory.mktemp("images") / "random.png")
     return qwen3vl
-
-
-def _run(argv: list, capsys) -> tuple[int, str, str]:
-    try:
-        rc = main([str(a) for a in argv])
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    captured = capsys.readouterr()
-    return rc, captured.out, captured.err
 
 
 def _one_line_error(rc: int, err: str, *fragments: str) -> None:

@@ -49,6 +49,25 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _status_mb(field: str) -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> float:
+    """Reset this process's RSS high-water mark (Linux ``clear_refs``); returns the current RSS, MiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_mb("VmRSS")
+
+
+def peak_rss_since_reset_mb() -> float:
+    """RSS high-water mark since the last :func:`reset_peak_rss`, MiB (``ru_maxrss`` never resets)."""
+    return _status_mb("VmHWM")
+
+
 def device_peak_mb() -> float | None:
     """Peak memory in use on this process's first device (None where the backend does not report it)."""
     stats = jax.local_devices()[0].memory_stats()
