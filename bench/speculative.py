@@ -16,7 +16,9 @@ what drafting costs. A draft row also reports the draft model's own plain decode
 A first run compiles; the best of ``--repeats`` timed runs is reported. Each configuration's
 time to the first token (prefill, and the draft model's prefill for a draft row) is measured on
 a one-token run and subtracted: decode_tok_s = (new tokens - 1) / (time after the first token).
-``speedup`` is end to end (plain seconds / seconds), ``decode_speedup`` the decode rates' ratio.
+acceptance_rate = accepted / drafted over the run (0.0 when nothing was drafted: see
+``drafted``); tokens_per_step = (new tokens - 1) / decode steps. ``speedup`` is end to end
+(plain seconds / seconds), ``decode_speedup`` the ratio of the decode rates.
 Every model runs on the reference (XLA) path, the only one the verify step has, so the plain row
 is the same path too. Default model: the embedded SmolLM2-135M-Instruct.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -86,7 +89,7 @@ def spec_row(engine: Engine, name: str, prompt: str, spec: SpecConfig, base, arg
     secs, out = timed(engine, prompt, args.new_tokens, spec, args.repeats)
     s = out.speculation.to_json()
     return dict(prompt=name, drafter=spec.kind.value, num_draft_tokens=spec.num_draft_tokens, seconds=secs,
-                ttft_s=ttft, acceptance_rate=s["acceptance_rate"],
+                ttft_s=ttft, drafted=s["drafted"], accepted=s["accepted"], acceptance_rate=s["acceptance_rate"],
                 tokens_per_step=round((args.new_tokens - 1) / max(s["steps"], 1), 2),
                 same_tokens=out.token_ids == base.token_ids)
 
@@ -109,7 +112,7 @@ def prompt_rows(engine: Engine, name: str, drafts: dict[str, Engine], ks: list[i
     ttft, _ = timed(engine, prompt, 1, None, args.repeats)
     base_s, base = timed(engine, prompt, args.new_tokens, None, args.repeats)
     rows = [dict(prompt=name, drafter="plain", num_draft_tokens=0, seconds=base_s, ttft_s=ttft,
-                 acceptance_rate=None, tokens_per_step=1.0, same_tokens=True)]
+                 drafted=0, accepted=0, acceptance_rate=None, tokens_per_step=1.0, same_tokens=True)]
     rows += [spec_row(engine, name, prompt, SpecConfig("ngram", num_draft_tokens=k, ngram=ngram), base, args)
              for k in ks]
     for label, draft in drafts.items():
@@ -132,7 +135,8 @@ def print_rows(rows: list[dict]) -> None:
         label = r["drafter"] if r["drafter"] != "draft" else f"draft {r['draft']}"
         extra = "" if r["drafter"] != "draft" else f", draft alone {r['draft_decode_tok_s']} tok/s"
         print(f"{r['prompt']:6s} {label:24s} K={r['num_draft_tokens']}: {r['decode_tok_s']:7.1f} tok/s decode "
-              f"(x{r['decode_speedup']:.2f}), x{r['speedup']:.2f} end to end, acceptance {r['acceptance_rate']}, "
+              f"(x{r['decode_speedup']:.2f}), x{r['speedup']:.2f} end to end, acceptance {r['acceptance_rate']} "
+              f"({r['accepted']}/{r['drafted']}), "
               f"tokens/step {r['tokens_per_step']}, same tokens {r['same_tokens']}{extra}", flush=True)
 
 
@@ -156,7 +160,7 @@ def main() -> None:
     drafts = load_drafts(args.draft, engine)
     ngram = tuple(int(n) for n in args.ngram.split(","))
     ks = [int(k) for k in args.num_draft_tokens.split(",")]
-    results = []
+    results, load_before = [], os.getloadavg()[0]  # the machine's load: shared hosts make timings noisy
     for name in args.prompt.split(","):
         rows = prompt_rows(engine, name, drafts, ks, ngram, args)
         results.extend(rows)
@@ -164,6 +168,7 @@ def main() -> None:
             print_rows(rows)
     if args.json:
         print(json.dumps({"new_tokens": args.new_tokens, "repeats": args.repeats, "ngram": list(ngram),
+                          "load_avg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                           "model": args.model or "embedded SmolLM2-135M-Instruct",
                           "drafts": {k: describe_weights(d.weights) for k, d in drafts.items()},
                           "results": results}))

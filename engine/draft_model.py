@@ -50,18 +50,20 @@ def draft_step(weights, tokens, num_new, cache, rows: RowSampling, steps, *, con
                mode: SamplingMode, vocab: int):
     """The draft model over ``tokens`` [B,T] (``num_new`` [B] real) after its cache: each row's
     draft token [B] and the distribution q [B, vocab] it was drawn from (zero past the draft's
-    own vocabulary), and the new keys/values. ``steps`` [B]: the index of the drafted token
-    among the row's generated ones (its key, as the target's for that token, folded once more)."""
+    own vocabulary; None for a greedy batch, whose acceptance compares argmaxes), and the new
+    keys/values. ``steps`` [B]: the index of the drafted token among the row's generated ones (its
+    key, as the target's for that token, folded once more)."""
     from dayzero.engine.speculative import target_logits
 
     logits, new = forward(weights, config, tokens, cache, num_new)
+    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if mode is SamplingMode.GREEDY:
+        return token, None, new
     scaled = target_logits(logits[:, None], rows, mode)[:, 0]
     q = jax.nn.softmax(scaled, axis=-1)
-    token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if mode is not SamplingMode.GREEDY:
-        keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), DRAFT_KEY_FOLD))(rows.keys, steps)
-        drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-        token = jnp.where(rows.temperature > 0, drawn, token)
+    keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), DRAFT_KEY_FOLD))(rows.keys, steps)
+    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    token = jnp.where(rows.temperature > 0, drawn, token)
     q = jnp.pad(q, ((0, 0), (0, vocab - q.shape[1])))
     return token, q, new
 
@@ -80,12 +82,12 @@ class DraftModel:
         self.lengths = lengths.copy()
         self.pending = [[int(t)] for t in first]
 
-    def propose(self, active: np.ndarray, produced: np.ndarray, K: int) -> tuple[np.ndarray, np.ndarray]:
-        """K drafts [B,K] for every ``active`` row and their distributions q [B,K,V]; ``produced``
-        [B]: tokens each row has emitted (the first draft's index)."""
+    def propose(self, active: np.ndarray, produced: np.ndarray, K: int) -> tuple[np.ndarray, jax.Array | None]:
+        """K drafts [B,K] for every ``active`` row and their distributions q [B,K,V] (None for a
+        greedy batch); ``produced`` [B]: tokens each row has emitted (the first draft's index).
+        The drafts stay on the device until all K are drawn (one host sync per proposal)."""
         B = len(self.pending)
-        drafts = np.zeros((B, K), np.int32)
-        probs = []
+        drafts, probs = [], []
         T = max(len(p) for p in self.pending)
         tokens = np.zeros((B, T), np.int32)
         num_new = np.zeros(B, np.int32)
@@ -94,11 +96,11 @@ class DraftModel:
             num_new[b] = len(self.pending[b])
         for i in range(K):
             token, q = self._step(tokens, num_new, produced + i)
-            drafts[:, i] = np.asarray(token)
+            drafts.append(token)
             probs.append(q)
-            tokens, num_new = drafts[:, i : i + 1], active.astype(np.int32)
+            tokens, num_new = token[:, None], active.astype(np.int32)
         self.lengths = self.lengths + np.where(active, [len(p) for p in self.pending], 0) + active * (K - 1)
-        return drafts, jnp.stack(probs, axis=1)
+        return np.asarray(jnp.stack(drafts, axis=1)), None if probs[0] is None else jnp.stack(probs, axis=1)
 
     def _step(self, tokens: np.ndarray, num_new: np.ndarray, steps: np.ndarray) -> tuple:
         """One draft step and its cache write (the last draft's keys/values are not needed)."""

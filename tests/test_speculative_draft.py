@@ -78,6 +78,21 @@ def test_greedy_is_lossless_on_moe_and_mla(family, tiny_moe_hf, hf_factory, tmp_
     _assert_lossless(engine, _perturbed(engine, 0.3), _repetitive_prompts(engine.config.vocab_size), partial=True)
 
 
+@pytest.mark.slow  # ~16 s; the rule itself is checked by the chi-square test below
+def test_sampled_generation_with_a_draft_repeats_itself(tiny_engine):
+    """Sampled rows (with filters) and a greedy row in one batch, drafted by a perturbed copy:
+    every row gets its tokens, a seed repeats them, and the greedy row is plain greedy output."""
+    draft = _perturbed(tiny_engine, 0.3)
+    prompts = _repetitive_prompts(256)
+    params = [SamplingParams(temperature=0.7, top_k=20, seed=1), SamplingParams(), SamplingParams(temperature=1.0)]
+    spec = SpecConfig("draft", num_draft_tokens=K, draft=draft)
+    a, b = (tiny_engine.generate(prompts, max_new_tokens=12, sampling=params, speculative=spec, ignore_eos=True)
+            for _ in range(2))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b] and all(len(x.token_ids) == 12 for x in a)
+    assert a[1].token_ids == tiny_engine.generate(prompts[1], max_new_tokens=12, ignore_eos=True).token_ids
+    assert sum(x.speculation.accepted for x in a) > 0
+
+
 def test_sampled_emission_against_a_draft_distribution():
     """Drafts drawn from a random q per row (seeded), one verify step over many rows: the first
     emitted token is distributed as p0 and the second, where emitted, as p1 (chi-square per kind
