@@ -15,7 +15,7 @@ prefill chunks. Checked:
 - preemption (a pool too small for both requests): the recomputed request's tokens are unchanged
   and the tower does not run again;
 - refusals at submit, nothing queued: an unreadable image, a text-only model, too many image
-  tokens for ``max_context``;
+  tokens for ``max_context``; images with speculative decoding;
 - Kimi-K2.5 (latent attention, plain positions): image and text requests at once;
 - the Pallas kernels (interpreted): served, and through ``Engine.generate``, the reference tokens.
 
@@ -34,6 +34,7 @@ from dayzero.engine import vision_step
 from dayzero.engine.generate import Engine, GenerationError
 from dayzero.engine.paged_steps import ServingConfig
 from dayzero.engine.serving import ServingEngine
+from dayzero.engine.speculative import SpecConfig
 from tests.test_vision_dispatch import TOKENS, qwen35, qwen3vl  # noqa: F401 (fixtures)
 from tests.test_vision_generate import _assert_hfs, _engine, _hf_greedy, _image, _prompt
 from tests.test_vision_kimi_generate import kimi  # noqa: F401 (fixture)
@@ -134,6 +135,8 @@ def test_refusals_queue_nothing(qwen3vl, tmp_path):
                        kernels="reference")
     with pytest.raises(GenerationError, match="no vision tower"):
         ServingEngine(text_only, SERVING).submit(_prompt(), images=[_image()], max_new_tokens=2)
+    with pytest.raises(GenerationError, match="speculative decoding does not take images"):
+        engine.generate(_prompt(), images=[_image()], max_new_tokens=2, speculative=SpecConfig())
     assert not server.has_work and not tight.has_work
 
 
