@@ -88,12 +88,16 @@ class HostSwap:
         # The page axis of each leaf copied (None for a slot-state leaf), in the order they are copied.
         self._copied = [p for p, q in zip(self.page_axes, self.slot_axes) if p is not None or q is not None]
         self.steps, self.budget, self.used = steps, budget, 0
+        # Host bytes per swapped page and per slot (checked against the budget before any copy).
+        leaves = jax.tree.leaves(steps.pool)
+        per = lambda axes: sum(x.nbytes // x.shape[a] for x, a in zip(leaves, axes) if a is not None)  # noqa: E731
+        self._page_bytes, self._slot_bytes = per(self.page_axes), per(self.slot_axes)
         self._layout = None if steps.layout is None else tuple(jax.tree.leaves(steps.layout))
 
     def out(self, pages: list[int], computed: int, slot: int) -> Swapped | None:
         """Copy ``pages`` (holding ``computed`` positions) and slot ``slot``'s states to the host;
-        None (nothing copied) when they would not fit the budget."""
-        if not pages:
+        None (nothing copied) when they would not fit the budget (known before copying)."""
+        if not pages or self.used + len(pages) * self._page_bytes + self._slot_bytes > self.budget:
             return None
         steps = self.steps
         host = jax.device_get(_take(jax.tree.leaves(steps.pool), *self._indices(pages, slot),
@@ -101,8 +105,6 @@ class HostSwap:
         values = [np.asarray(v).take(np.arange(len(pages)), axis=a) if a is not None else np.asarray(v)
                   for v, a in zip(host, self._copied)]
         swapped = Swapped(values, computed, len(pages))
-        if self.used + swapped.nbytes > self.budget:
-            return None
         self.used += swapped.nbytes
         return swapped
 

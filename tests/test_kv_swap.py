@@ -57,6 +57,8 @@ def test_budget_and_cancel(tiny_engine):
         server.step()
     victim = next(r for r in server._waiting if r.swapped)
     assert server.swap.used == victim.swapped.nbytes > 0
+    # The budget check before copying uses exactly the bytes the copy then holds.
+    assert victim.swapped.nbytes == victim.swapped.num_pages * server.swap._page_bytes + server.swap._slot_bytes
     assert server.cancel(victim.id) and server.swap.used == 0
     for _ in server.stream():
         pass

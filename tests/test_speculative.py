@@ -39,9 +39,10 @@ def _repetitive_prompts(vocab: int) -> list[list[int]]:
     return [base * 4, base * 2 + rng.integers(0, vocab, 5).tolist() + base[:6], rng.integers(0, vocab, 20).tolist()]
 
 
-def _assert_lossless(engine: Engine, prompts, new: int, spec: SpecConfig) -> list:
+def _assert_lossless(engine: Engine, prompts, new: int, spec: SpecConfig, all_accepted: bool = False) -> list:
     """Greedy speculative generation equals plain generation (ids; logprobs within 1e-5), and
-    the drafter was both right and wrong somewhere. Returns the speculative completions."""
+    the drafter was both right and wrong somewhere (``all_accepted``: right everywhere). Returns
+    the speculative completions."""
     plain = engine.generate(prompts, max_new_tokens=new, logprobs=True, ignore_eos=True)
     fast = engine.generate(prompts, max_new_tokens=new, logprobs=True, ignore_eos=True, speculative=spec)
     for p, f in zip(plain, fast):
@@ -49,7 +50,10 @@ def _assert_lossless(engine: Engine, prompts, new: int, spec: SpecConfig) -> lis
         np.testing.assert_allclose(f.logprobs, p.logprobs, atol=1e-5)
     accepted = sum(f.speculation.accepted for f in fast)
     drafted = sum(f.speculation.drafted for f in fast)
-    assert 0 < accepted < drafted, (accepted, drafted)
+    if all_accepted:
+        assert accepted == drafted > 0, (accepted, drafted)
+    else:
+        assert 0 < accepted < drafted, (accepted, drafted)
     return fast
 
 

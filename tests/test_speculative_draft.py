@@ -26,6 +26,7 @@ from dayzero.engine.cli import main
 from dayzero.engine.sampling import batch_sampling
 from dayzero.engine.speculative import SpecConfig, SpeculativeError, accept_drafts
 from tests.test_speculative import EMISSION_PARAMS, K, _hf_target, _repetitive_prompts
+from tests.test_speculative import _assert_lossless as assert_lossless
 
 NEW = 24
 
@@ -41,18 +42,10 @@ def _perturbed(engine: Engine, scale: float, seed: int = 0) -> Engine:
 
 
 def _assert_lossless(engine: Engine, draft: Engine, prompts, partial: bool) -> None:
+    """``test_speculative._assert_lossless`` with ``draft`` drafting (``partial``: drafts both
+    accepted and rejected, else every draft accepted)."""
     spec = SpecConfig("draft", num_draft_tokens=K, draft=draft)
-    plain = engine.generate(prompts, max_new_tokens=NEW, logprobs=True, ignore_eos=True)
-    fast = engine.generate(prompts, max_new_tokens=NEW, logprobs=True, ignore_eos=True, speculative=spec)
-    for p, f in zip(plain, fast):
-        assert f.token_ids == p.token_ids
-        np.testing.assert_allclose(f.logprobs, p.logprobs, atol=1e-5)
-    accepted = sum(f.speculation.accepted for f in fast)
-    drafted = sum(f.speculation.drafted for f in fast)
-    if partial:
-        assert 0 < accepted < drafted, (accepted, drafted)
-    else:
-        assert accepted == drafted > 0
+    assert_lossless(engine, prompts, NEW, spec, all_accepted=not partial)
 
 
 def test_greedy_is_lossless_on_a_dense_model(tiny_engine):
