@@ -12,14 +12,21 @@ prefix of free-running greedy generation).
         [--prompt-len 128] [--new-tokens 32] [--repeats 2] [--json]
 
 Schemes: fp32, bf16 (weights and cache in bfloat16), int8, fp8, fp8-block, int4 (weights; int4
-only changes MoE experts, so on dense SmolLM2 it is int8), kv-int8, kv-fp8 (fp32 weights).
+only changes MoE experts, so on dense SmolLM2 it is int8), kv-int8, kv-fp8 (fp32 weights), and
+llama.cpp on the same model (``llamacpp-q8_0``, ``llamacpp-q4_0``: the embedded Q4_1 GGUF
+requantized with llama.cpp's own quantizer, timed as ``dayzero bench --vs-llamacpp`` times it;
+needs ``pip install llama-cpp-python``, else the row is skipped with the reason). Decode speeds
+are also given as ratios to fp32 in the same run (``vs_fp32``), and int8 / int4 against llama.cpp's
+q8_0 / q4_0.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import shutil
 import subprocess
 import tempfile
@@ -37,8 +44,13 @@ from dayzero.engine.default_model import default_gguf_path, default_model_dir
 from dayzero.tools.measure import bench_prompt
 from dayzero.tools.quality import QUALITY_TEXT, agreement, greedy_tokens
 from dayzero.model.quant import describe_weights, stored_bytes
+from dayzero.tools.peers import LlamaCppPeer, PeerError
 
-SCHEMES = ("fp32", "bf16", "int8", "fp8", "fp8-block", "int4", "kv-int8", "kv-fp8")
+SCHEMES = ("fp32", "bf16", "int8", "fp8", "fp8-block", "int4", "kv-int8", "kv-fp8", "llamacpp-q8_0", "llamacpp-q4_0")
+# llama.cpp's file types (llama_ftype) of the requantized GGUFs.
+LLAMACPP_FTYPES = {"llamacpp-q8_0": 7, "llamacpp-q4_0": 2}
+# Our scheme each llama.cpp row is compared with.
+LLAMACPP_PAIRS = {"int8": "llamacpp-q8_0", "int4": "llamacpp-q4_0"}
 FULL_CONTEXT = 8192
 
 
@@ -78,8 +90,52 @@ def _engine(scheme: str, checkpoint: Path) -> Engine:
     return Engine.load(checkpoint, quantize="auto", kv_cache=kv)
 
 
+def _llamacpp_gguf(scheme: str, tmp: Path) -> Path:
+    """The embedded GGUF requantized by llama.cpp to ``scheme``'s type (q8_0 or q4_0)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        raise PeerError("llama.cpp rows need llama-cpp-python: pip install llama-cpp-python") from None
+    dst = tmp / f"{scheme}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMACPP_FTYPES[scheme]
+    params.allow_requantize = True  # the source is itself Q4_1
+    params.nthread = 2
+    with _quiet_stderr():  # llama.cpp logs every tensor it converts
+        failed = llama_cpp.llama_model_quantize(str(default_gguf_path()).encode(), str(dst).encode(), params)
+    if failed:
+        raise PeerError(f"llama.cpp could not quantize {default_gguf_path()} to {scheme}")
+    return dst
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 sent to /dev/null (C libraries write there directly)."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def measure_llamacpp(scheme: str, args, tmp: Path, vocab_size: int, eos_ids) -> dict:
+    """A llama.cpp row: speed only (its accuracy is not comparable token by token here)."""
+    gguf = _llamacpp_gguf(scheme, tmp)
+    prompts = bench_prompt(vocab_size, args.prompt_len, 1, eos_ids)
+    speed = LlamaCppPeer(gguf).measure(prompts, args.new_tokens, args.repeats)
+    size = gguf.stat().st_size / 2**20
+    return {"scheme": scheme, "weights": scheme.removeprefix("llamacpp-") + " (llama.cpp)", "kv_cache": "f16",
+            "decode_tok_s": speed["decode_tok_s"], "prefill_tok_s": speed["prefill_tok_s"], "compile_s": 0.0,
+            "disk_mb": size, "tensor_mb": size, "device_weights_mb": size, "kv_cache_mb_8k": math.nan}
+
+
 def measure(scheme: str, reference: Engine, text: list[int], reference_tokens: list[int], args, tmp: Path) -> dict:
     """One row of the table."""
+    if scheme in LLAMACPP_FTYPES:
+        return measure_llamacpp(scheme, args, tmp, reference.config.vocab_size, reference.eos_ids)
     checkpoint = _checkpoint(scheme, tmp)
     engine = reference if scheme == "fp32" else _engine(scheme, checkpoint)
     prompts = bench_prompt(engine.config.vocab_size, args.prompt_len, 1, engine.eos_ids)
@@ -104,15 +160,28 @@ def measure(scheme: str, reference: Engine, text: list[int], reference_tokens: l
     return row
 
 
+def _ratios(rows: list[dict]) -> None:
+    """Each row's decode speed over fp32's, and our int8 / int4 over llama.cpp's q8_0 / q4_0."""
+    speed = {r["scheme"]: r["decode_tok_s"] for r in rows}
+    for r in rows:
+        r["vs_fp32"] = r["decode_tok_s"] / speed["fp32"]
+        peer = LLAMACPP_PAIRS.get(r["scheme"])
+        if peer in speed:
+            r["vs_" + peer] = r["decode_tok_s"] / speed[peer]
+
+
 def _print(rows: list[dict]) -> None:
     print(f"SmolLM2-135M on {jax.default_backend()}, {len(QUALITY_TEXT.split())}-word text, 128 greedy tokens")
-    print(f"{'scheme':>10}{'decode/s':>10}{'prefill/s':>11}{'disk MB':>9}{'tensor MB':>10}{'weights MB':>11}{'kv8k MB':>9}"
+    print(f"{'scheme':>14}{'decode/s':>10}{'vs fp32':>8}{'prefill/s':>11}{'disk MB':>9}{'tensor MB':>10}{'weights MB':>11}{'kv8k MB':>9}"
           f"{'KL mean':>10}{'KL max':>9}{'agree':>7}{'prefix':>8}  stored as")
     for r in rows:
         acc = (f"{r['kl_mean']:>10.2e}{r['kl_max']:>9.2e}{r['greedy_agreement']:>7.3f}{r['greedy_prefix']:>8.3f}"
                if "kl_mean" in r else f"{'-':>10}{'-':>9}{'-':>7}{'-':>8}")
-        print(f"{r['scheme']:>10}{r['decode_tok_s']:>10.1f}{r['prefill_tok_s']:>11.1f}{r['disk_mb']:>9.1f}{r['tensor_mb']:>10.1f}"
+        print(f"{r['scheme']:>14}{r['decode_tok_s']:>10.1f}{r['vs_fp32']:>8.2f}{r['prefill_tok_s']:>11.1f}{r['disk_mb']:>9.1f}{r['tensor_mb']:>10.1f}"
               f"{r['device_weights_mb']:>11.1f}{r['kv_cache_mb_8k']:>9.1f}{acc}  {r['weights']}, kv {r['kv_cache']}")
+    for r in rows:
+        for key in [k for k in r if k.startswith("vs_llamacpp")]:
+            print(f"{r['scheme']} decode / llama.cpp {key.removeprefix('vs_llamacpp-')}: {r[key]:.2f}x")
 
 
 def main() -> None:
@@ -134,9 +203,16 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in ["fp32"] + [s for s in schemes if s != "fp32"]:
-            rows.append(measure(scheme, reference, text, reference_tokens, args, Path(tmp)))
+            try:
+                rows.append(measure(scheme, reference, text, reference_tokens, args, Path(tmp)))
+            except PeerError as e:
+                print(f"{scheme}: skipped: {e}", flush=True)
+                continue
             if args.json:
                 print(json.dumps(rows[-1]), flush=True)
+    _ratios(rows)
+    if args.json:
+        print(json.dumps({r["scheme"]: {k: v for k, v in r.items() if k.startswith("vs_")} for r in rows}))
     _print(rows)
 
 

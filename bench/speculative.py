@@ -2,7 +2,7 @@
 speed against plain decoding, side by side in one run.
 
     python bench/speculative.py [--model DIR] [--num-draft-tokens 2,4,8] [--ngram 2,4]
-        [--draft DIR[,DIR...]] [--new-tokens 128] [--repeats 2] [--prompt repeat|code|free] [--json]
+        [--draft DIR[,DIR...]] [--mtp] [--new-tokens 128] [--repeats 2] [--prompt repeat|code|free] [--json]
 
 Each configuration generates ``--new-tokens`` greedy tokens (EOS ignored, so every run emits
 the same tokens, which is checked) for a chat prompt: ``repeat`` asks the model to repeat a
@@ -13,12 +13,16 @@ target's tokenizer (e.g. the target converted with ``--quantize int8``), or ``se
 drafting for itself, which accepts every draft and so shows the best acceptance can buy and
 what drafting costs. A draft row also reports the draft model's own plain decode rate.
 
+``--mtp`` adds rows drafted by the model's own multi-token-prediction layers (a DeepSeek-V3
+checkpoint converted with them).
+
 A first run compiles; the best of ``--repeats`` timed runs is reported. Each configuration's
-time to the first token (prefill, and the draft model's prefill for a draft row) is measured on
+time to the first token (prefill, and the drafter's own prefill for a draft or MTP row) is measured on
 a one-token run and subtracted: decode_tok_s = (new tokens - 1) / (time after the first token).
 acceptance_rate = accepted / drafted over the run (0.0 when nothing was drafted: see
 ``drafted``); tokens_per_step = (new tokens - 1) / decode steps. ``speedup`` is end to end
-(plain seconds / seconds), ``decode_speedup`` the ratio of the decode rates.
+(plain seconds / seconds), ``decode_speedup`` the ratio of the decode rates. The measuring
+itself is ``dayzero.tools.bench_spec`` (which ``dayzero bench --speculative`` runs too).
 Every model runs on the reference (XLA) path, the only one the verify step has, so the plain row
 is the same path too. Default model: the embedded SmolLM2-135M-Instruct.
 """
@@ -29,12 +33,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 from dayzero.engine import Engine
 from dayzero.engine.speculative import SpecConfig
 from dayzero.model.quant import describe_weights
+from dayzero.tools.bench_spec import decode_rate, measure, timed
 
 PARAGRAPH = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, polished "
@@ -56,17 +60,6 @@ PROMPTS = {
 SELF = "self"  # --draft self: the target model drafts for itself
 
 
-def timed(engine: Engine, prompt: str, new: int, spec: SpecConfig | None, repeats: int):
-    """(best seconds, completion) of ``repeats`` runs after a compiling one."""
-    out = engine.generate(prompt, chat=True, max_new_tokens=new, ignore_eos=True, speculative=spec)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = engine.generate(prompt, chat=True, max_new_tokens=new, ignore_eos=True, speculative=spec)
-        best = min(best, time.perf_counter() - start)
-    return best, out
-
-
 def load_drafts(text: str | None, target: Engine) -> dict[str, Engine]:
     """The ``--draft`` models by label (their directory as given, or ``self``: ``target``),
     each loaded on the reference path as the ``generate --speculative draft:DIR`` CLI loads it."""
@@ -82,46 +75,41 @@ def load_drafts(text: str | None, target: Engine) -> dict[str, Engine]:
     return drafts
 
 
-def spec_row(engine: Engine, name: str, prompt: str, spec: SpecConfig, base, args) -> dict:
-    """One speculative configuration's measurements on ``prompt`` (``base``: plain decoding's
-    completion, whose tokens it must reproduce)."""
-    ttft, _ = timed(engine, prompt, 1, spec, args.repeats)
-    secs, out = timed(engine, prompt, args.new_tokens, spec, args.repeats)
-    s = out.speculation.to_json()
-    return dict(prompt=name, drafter=spec.kind.value, num_draft_tokens=spec.num_draft_tokens, seconds=secs,
-                ttft_s=ttft, drafted=s["drafted"], accepted=s["accepted"], acceptance_rate=s["acceptance_rate"],
-                tokens_per_step=round((args.new_tokens - 1) / max(s["steps"], 1), 2),
-                same_tokens=out.token_ids == base.token_ids)
-
-
-def decode_rate(new_tokens: int, seconds: float, ttft: float) -> float:
-    """Decode tokens per second: the tokens after the first over the time after the first."""
-    return round((new_tokens - 1) / (seconds - ttft), 1)
+def spec_row(engine: Engine, name: str, prompt: str, spec: SpecConfig | None, base, args) -> dict:
+    """One configuration's measurements on ``prompt`` (``spec`` None: plain decoding; ``base``:
+    plain decoding's row, whose tokens it must reproduce, None for the plain row itself)."""
+    m = measure(engine, prompt, args.new_tokens, spec, args.repeats, chat=True)
+    same = base is None or m["token_ids"] == base["token_ids"]
+    return dict(prompt=name, drafter="plain" if spec is None else spec.kind.value,
+                num_draft_tokens=0 if spec is None else spec.num_draft_tokens, same_tokens=same,
+                **{k: m[k] for k in ("seconds", "ttft_s", "drafted", "accepted", "acceptance_rate", "tokens_per_step",
+                                     "token_ids")})
 
 
 def draft_decode_rate(draft: Engine, prompt: str, args) -> float:
     """The draft model's own plain greedy decode rate (tok/s) on ``prompt``."""
-    ttft, _ = timed(draft, prompt, 1, None, args.repeats)
-    secs, _ = timed(draft, prompt, args.new_tokens, None, args.repeats)
+    ttft, _ = timed(draft, prompt, 1, None, args.repeats, chat=True)
+    secs, _ = timed(draft, prompt, args.new_tokens, None, args.repeats, chat=True)
     return decode_rate(args.new_tokens, secs, ttft)
 
 
 def prompt_rows(engine: Engine, name: str, drafts: dict[str, Engine], ks: list[int], ngram, args) -> list[dict]:
     """Every configuration's row for the prompt ``name``: plain first, then n-gram, then drafts."""
     prompt = PROMPTS[name]
-    ttft, _ = timed(engine, prompt, 1, None, args.repeats)
-    base_s, base = timed(engine, prompt, args.new_tokens, None, args.repeats)
-    rows = [dict(prompt=name, drafter="plain", num_draft_tokens=0, seconds=base_s, ttft_s=ttft,
-                 drafted=0, accepted=0, acceptance_rate=None, tokens_per_step=1.0, same_tokens=True)]
-    rows += [spec_row(engine, name, prompt, SpecConfig("ngram", num_draft_tokens=k, ngram=ngram), base, args)
-             for k in ks]
+    base = spec_row(engine, name, prompt, None, None, args)
+    base_s, ttft = base["seconds"], base["ttft_s"]
+    rows = [base] + [spec_row(engine, name, prompt, SpecConfig("ngram", num_draft_tokens=k, ngram=ngram), base, args)
+                     for k in ks]
     for label, draft in drafts.items():
         own = decode_rate(args.new_tokens, base_s, ttft) if draft is engine else draft_decode_rate(draft, prompt, args)
         for k in ks:
             row = spec_row(engine, name, prompt, SpecConfig("draft", num_draft_tokens=k, draft=draft), base, args)
             row.update(draft=label, draft_quantize=describe_weights(draft.weights), draft_decode_tok_s=own)
             rows.append(row)
+    if args.mtp:
+        rows += [spec_row(engine, name, prompt, SpecConfig("mtp", num_draft_tokens=k), base, args) for k in ks]
     for r in rows:
+        del r["token_ids"]
         r["decode_tok_s"] = decode_rate(args.new_tokens, r["seconds"], r["ttft_s"])
         r["speedup"] = round(base_s / r["seconds"], 2)
         r["decode_speedup"] = round(r["decode_tok_s"] / rows[0]["decode_tok_s"], 2)
@@ -148,6 +136,8 @@ def main() -> None:
     p.add_argument("--ngram", default="2,4")
     p.add_argument("--draft", metavar="DIR[,DIR...]",
                    help="draft models (converted directories sharing the target's tokenizer; self: the target)")
+    p.add_argument("--mtp", action="store_true",
+                   help="also the model's own multi-token-prediction layers as drafter (DeepSeek-V3 with them)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--prompt", default="repeat,code,free")

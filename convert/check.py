@@ -35,7 +35,7 @@ from dayzero.convert import verify_checkpoint
 from dayzero.convert.checkpoint import MANIFEST, file_sha256, read_manifest
 from dayzero.convert.convert import STORAGE_DTYPES, fixed_dtypes
 from dayzero.convert.errors import ConvertError
-from dayzero.convert.name_map import source_tensors
+from dayzero.convert.name_map import source_tensors, with_kept_mtp
 from dayzero.convert.readers import GGUFTensorReader, SafetensorsReader, TorchReader
 from dayzero.convert.sources import TORCH_SUFFIXES, open_source
 from dayzero.model.config import ConfigError
@@ -192,7 +192,7 @@ def _dtype_accepted(source_dtype: np.dtype, fixed: np.dtype | None) -> bool:
 def check_plan(source: Any) -> tuple[dict[str, Any], list[str]]:
     """Compare an opened source's tensors with the converter's name map for its config."""
     try:
-        config = parse_hf_config(source.hf_config)
+        config = with_kept_mtp(parse_hf_config(source.hf_config), source.reader.keys())
         name_map = source.name_map(config)
     except (ConfigError, ConvertError) as e:
         return {"config": None}, [f"config: {e}"]

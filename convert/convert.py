@@ -47,7 +47,7 @@ from dayzero.convert.checkpoint import (
 from dayzero.convert.errors import ConvertError
 from dayzero.convert.quantize import quant_config, quantized_leaf, quantized_nodes
 from dayzero.convert.name_map import (
-    Combine, Recipe, check_shape, check_targets, group_of, key_in_group, plan, source_tensors,
+    Combine, Recipe, check_shape, check_targets, group_of, key_in_group, plan, source_tensors, with_kept_mtp,
 )
 from dayzero.convert.parallel import Piece, ReadAhead, parse_memory, schedule, stored_names
 from dayzero.convert.sources import Source, open_source
@@ -208,7 +208,7 @@ def _plan(source: Source, dtype: str | None, quantize: str | None, placement: An
           max_memory: int | None = None) -> _Plan:
     where = str(source.path)
     try:
-        config = parse_hf_config(source.hf_config)
+        config = with_kept_mtp(parse_hf_config(source.hf_config), source.reader.keys())
     except ConfigError as e:
         raise ConvertError(f"{where}: {e}") from e
     image_config_in(source.tokenizer_dir, config)  # a bad preprocessor config is refused before anything is written

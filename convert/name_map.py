@@ -303,9 +303,12 @@ def _hf_gpt_oss_experts(c: ModelConfig, src: str, dst: str) -> list[Recipe]:
     ]
 
 
-def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP, prefix: str = "model.") -> list[Recipe]:
+def _hf_layer(c: ModelConfig, i: int, experts: LayerMLP, prefix: str = "model.", src: str | None = None,
+              dst: str | None = None) -> list[Recipe]:
+    """Decoder layer ``i`` of ``c``, read from ``src`` (default ``{prefix}layers.{i}.``) into
+    ``dst`` (default ``layers/{i}/``)."""
     D = c.hidden_size
-    src, dst = f"{prefix}layers.{i}.", f"layers/{i}/"
+    src, dst = src or f"{prefix}layers.{i}.", dst or f"layers/{i}/"
     r = [Recipe(dst + "attn_norm", src + "input_layernorm.weight", (D,))]
     r += _hf_mla(c, src, dst, i) if c.mla is not None else _hf_gqa(c, src, dst)
     r.append(Recipe(dst + "mlp_norm", src + "post_attention_layernorm.weight", (D,)))
@@ -322,21 +325,58 @@ def _hf_recipes(c: ModelConfig, experts: LayerMLP, prefix: str = "model.") -> tu
     recipes.append(Recipe("final_norm", prefix + "norm.weight", (D,)))
     if not c.tie_word_embeddings:
         recipes.append(Recipe("lm_head", "lm_head.weight", (V, D), (T.transpose,)))
+    if c.mtp_kept:  # last, so that a missing main-model tensor is named first
+        for k in range(c.mtp_layers):
+            recipes += _hf_nextn(c, k, experts, prefix)
     return tuple(recipes)
+
+
+def _hf_nextn(c: ModelConfig, k: int, experts: LayerMLP, prefix: str) -> list[Recipe]:
+    """DeepSeek-V3's MTP module ``k``, stored as layer ``num_layers + k``: ``enorm``, ``hnorm``,
+    ``eh_proj`` [D, 2D] (kept input-first), ``shared_head.norm``, and its decoder layer spelt as
+    a main layer's (``dayzero.model.mtp``). Its ``embed_tokens`` / ``shared_head.head`` copies
+    are not read (:func:`_is_mtp_tensor`)."""
+    from dayzero.model.mtp import nextn_block_config
+
+    D = c.hidden_size
+    src, dst = f"{prefix}layers.{c.num_layers + k}.", f"mtp/{k}/"
+    return [
+        Recipe(dst + "enorm", src + "enorm.weight", (D,)),
+        Recipe(dst + "hnorm", src + "hnorm.weight", (D,)),
+        Recipe(dst + "eh_proj", src + "eh_proj.weight", (D, 2 * D), (T.transpose,)),
+        Recipe(dst + "norm", src + "shared_head.norm.weight", (D,)),
+    ] + _hf_layer(nextn_block_config(c), 0, experts, src=src, dst=dst + "layer/")
 
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
-    """The multi-token-prediction modules of DeepSeek-V3, GLM-4.5 and GLM-5 (``num_nextn_predict_layers``;
-    MiniMax-M2's ``num_mtp_modules`` x ``mtp_transformer_layers`` alike),
-    stored as layers num_layers and up: plain decoding never runs them (speculative decoding with
-    them is not implemented), so they are skipped, as HF's own ``*ForCausalLM`` skips them when
-    loading; ``dayzero check`` counts them as ignored, and the converted config keeps
-    ``mtp_layers``. A layer past the MTP ones is refused like any unknown tensor."""
+    """A multi-token-prediction module's tensor that is not converted. GLM-4.5 and GLM-5's
+    modules (``num_nextn_predict_layers``; MiniMax-M2's ``num_mtp_modules`` x
+    ``mtp_transformer_layers`` alike), stored as layers num_layers and up: no drafter runs them,
+    so they are skipped, as HF's own ``*ForCausalLM`` skips them when loading; ``dayzero check``
+    counts them as ignored, and the converted config keeps ``mtp_layers``. DeepSeek-V3's modules
+    are converted when the source has them (:func:`with_kept_mtp`), all but their copies of the
+    embedding and the head (``embed_tokens``, ``shared_head.head``: the main model's are used).
+    A layer past the MTP ones is refused like any unknown tensor."""
     match = _LAYER_INDEX.match(name)
-    return bool(match) and c.num_layers <= int(match.group(1)) < c.num_layers + c.mtp_layers
+    if not (match and c.num_layers <= int(match.group(1)) < c.num_layers + c.mtp_layers):
+        return False
+    return not c.mtp_kept or name.endswith((".embed_tokens.weight", ".shared_head.head.weight"))
+
+
+def with_kept_mtp(c: ModelConfig, names: Iterable[str]) -> ModelConfig:
+    """``c`` as a source with tensors ``names`` converts: a DeepSeek-V3 source with any tensor of
+    its MTP modules keeps them (``mtp_kept``; then every one of their tensors is required, with
+    its shape checked); one without them converts without (``--speculative mtp`` refuses it)."""
+    from dayzero.model.mtp import MTP_FAMILIES
+
+    if c.family not in MTP_FAMILIES or not c.mtp_layers or c.vision is not None:
+        return c
+    if any(_is_mtp_tensor(c, name) for name in names):
+        return dataclasses.replace(c, mtp_kept=True)
+    return c
 
 
 def hf_name_map(c: ModelConfig) -> NameMap:

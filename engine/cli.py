@@ -71,6 +71,9 @@ def _add_quant_args(p: argparse.ArgumentParser) -> None:
                    help="quantize a float model's weights at load (auto: the platform's fastest, fp32 on CPU)")
     p.add_argument("--kv-cache", metavar=KV_CACHE, default="auto",
                    help="KV-cache storage (auto: the platform's fastest, fp32 on CPU)")
+    p.add_argument("--offload-weights", action="store_true",
+                   help="hold the decoder layers' weights in host memory (pinned_host) and stream them to the "
+                        "device one layer ahead of use")
 
 
 def _add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
@@ -81,8 +84,9 @@ def _add_compile_cache_arg(p: argparse.ArgumentParser) -> None:
 
 def _add_mesh_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mesh", metavar="AXIS=N,...",
-                   help="device mesh over all devices of all processes, axes data/tensor/expert (e.g. tensor=4): "
-                        "tensor splits heads/MLP/vocabulary, expert adds expert parallelism, data splits batch rows")
+                   help="device mesh over all devices of all processes, axes data/tensor/expert/stage (e.g. tensor=4): "
+                        "tensor splits heads/MLP/vocabulary, expert adds expert parallelism, data splits batch rows, "
+                        "stage splits the layers into pipeline stages")
 
 
 def _placement(text: str | None):
@@ -143,11 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--logprobs", action="store_true", help="with --json, add each token's log-probability")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--speculative", metavar="ngram|draft:DIR",
-                   help="speculative decoding with this drafter (ngram: prompt lookup; draft:DIR: the converted "
-                        "small model in DIR, same tokenizer); same output distribution")
-    g.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
-    g.add_argument("--ngram", metavar="MIN,MAX", help="suffix lengths the ngram drafter looks up (default 2,4)")
+    add_speculative_args(g)
     _add_quant_args(g)
     _add_mesh_arg(g)
     _add_compile_cache_arg(g)
@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--soak-len", type=int, metavar="N", help="soak up to N tokens (default: the model's context)")
     b.add_argument("--plot", metavar="PNG", help="write latency and memory against prompt length to PNG")
     b.add_argument("--json", action="store_true")
+    add_speculative_args(b)  # also decode speculatively and report acceptance and speed-up (tools/bench_spec.py)
     _add_quant_args(b)
     _add_mesh_arg(b)
     _add_compile_cache_arg(b)
@@ -224,6 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--devices-per-host", type=int, default=8, metavar="N",
                     help="devices per host: collectives over groups spanning hosts are counted as inter-host")
     pl.add_argument("--reserve", type=float, default=0.1, metavar="F", help="fraction of each device kept free")
+    pl.add_argument("--host-memory", metavar="SIZE",
+                    help="host memory per host for the host tier: offloaded weights streamed per step, KV swap space")
+    pl.add_argument("--host-bandwidth", metavar="SIZE", default="55GB",
+                    help="bytes per second a device's host link moves (default 55GB: PCIe Gen5 x16, measured-typical)")
+    pl.add_argument("--micro-batches", type=int, metavar="M",
+                    help="micro-batches of a pipeline (stage) mesh's decode step (default: one per stage)")
     pl.add_argument("--json", action="store_true", help="print one JSON object")
     _add_mesh_arg(pl)
     _add_process_args(pl)
@@ -249,6 +256,9 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--swap-space", metavar="SIZE",
                    help="host memory for the KV pages of preempted requests, copied back instead of recomputed, "
                         "e.g. 4GiB (default: the device pool's size; 0: recompute)")
+    s.add_argument("--host-cache", metavar="SIZE",
+                   help="host memory for a second prefix-cache tier: cached prefix pages the device pool evicts are "
+                        "copied there and back on a later hit, e.g. 8GiB (default: the device pool's size; 0: off)")
     s.add_argument("--speculative", choices=["ngram"],
                    help="speculative decoding with n-gram drafts verified per decode step; same output distribution")
     s.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
@@ -298,7 +308,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CommandError("--logprobs needs --json (log-probabilities are reported in the JSON object)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
     prompt = args.prompt if args.prompt is not None else _parse_ids(args.prompt_ids)
-    speculative = _speculative(args)
+    speculative = speculative_config(args)
     images = _images(args.image)  # read before the model loads: a bad file fails fast
     engine = Engine.load(args.model, placement=placement, **options_from_args(args))
     chat = args.chat
@@ -350,9 +360,20 @@ def _image_chat_ids(engine, text: str, images: int) -> list[int]:
     return engine.tokenizer.encode_chat(text, images=images)
 
 
-def _speculative(args: argparse.Namespace):
-    """``generate``'s speculative-decoding options as a ``SpecConfig`` (None without ``--speculative``);
-    ``draft:DIR`` loads the draft model."""
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    """``--speculative``, ``--num-draft-tokens`` and ``--ngram`` of ``generate`` and ``bench``
+    (read by :func:`speculative_config`)."""
+    p.add_argument("--speculative", metavar="ngram|mtp|draft:DIR",
+                   help="speculative decoding with this drafter (ngram: prompt lookup; mtp: the model's own "
+                        "multi-token-prediction layers, DeepSeek-V3; draft:DIR: the converted small model in DIR, "
+                        "same tokenizer); same output distribution")
+    p.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
+    p.add_argument("--ngram", metavar="MIN,MAX", help="suffix lengths the ngram drafter looks up (default 2,4)")
+
+
+def speculative_config(args: argparse.Namespace):
+    """The options of :func:`add_speculative_args` as a ``SpecConfig`` (None without
+    ``--speculative``); ``draft:DIR`` loads the draft model."""
     from dayzero.engine.runtime import options_from_args
     from dayzero.engine.speculative import SpecConfig
 
@@ -372,8 +393,12 @@ def _speculative(args: argparse.Namespace):
         # The draft runs as the target does (weight and KV storage), on one device, on the reference path.
         run = dict(options_from_args(args), kernels="reference")
         return SpecConfig("draft", draft=Engine.load(draft_dir, progress=False, **run), **options)
+    if args.speculative == "mtp":
+        if args.ngram is not None:
+            raise CommandError("--ngram sets the ngram drafter; drop it with --speculative mtp")
+        return SpecConfig("mtp", **options)
     if args.speculative != "ngram":
-        raise CommandError(f"--speculative {args.speculative!r} is unknown; use ngram or draft:DIR")
+        raise CommandError(f"--speculative {args.speculative!r} is unknown; use ngram, mtp or draft:DIR")
     if args.ngram is not None:
         try:
             options["ngram"] = tuple(int(n) for n in args.ngram.split(","))

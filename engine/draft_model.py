@@ -53,19 +53,27 @@ def draft_step(weights, tokens, num_new, cache, rows: RowSampling, steps, *, con
     own vocabulary; None for a greedy batch, whose acceptance compares argmaxes), and the new
     keys/values. ``steps`` [B]: the index of the drafted token among the row's generated ones (its
     key, as the target's for that token, folded once more)."""
+    logits, new = forward(weights, config, tokens, cache, num_new)
+    return (*draw_draft(logits, rows, steps, mode, vocab), new)
+
+
+def draw_draft(logits: jax.Array, rows: RowSampling, steps: jax.Array, mode: SamplingMode,
+               vocab: int) -> tuple[jax.Array, jax.Array | None]:
+    """A drafter's token [B] from its ``logits`` [B,V'] and the distribution q [B, vocab] it was
+    drawn from (zero past V'; None for a greedy batch): greedy rows take the argmax, sampled
+    rows draw after their temperature and filters (as the target's p is taken), with the key of
+    token index ``steps`` [B] folded once more (independent of the target's draws)."""
     from dayzero.engine.speculative import target_logits
 
-    logits, new = forward(weights, config, tokens, cache, num_new)
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if mode is SamplingMode.GREEDY:
-        return token, None, new
+        return token, None
     scaled = target_logits(logits[:, None], rows, mode)[:, 0]
     q = jax.nn.softmax(scaled, axis=-1)
     keys = jax.vmap(lambda k, s: jax.random.fold_in(jax.random.fold_in(k, s), DRAFT_KEY_FOLD))(rows.keys, steps)
     drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     token = jnp.where(rows.temperature > 0, drawn, token)
-    q = jnp.pad(q, ((0, 0), (0, vocab - q.shape[1])))
-    return token, q, new
+    return token, jnp.pad(q, ((0, 0), (0, vocab - q.shape[1])))
 
 
 class DraftModel:
@@ -112,14 +120,17 @@ class DraftModel:
         self.cache = d._steps.call(d._append, ("draft_append", tokens.shape, self.cache.max_len), self.cache, new)
         return token, q
 
-    def advance(self, active: np.ndarray, drafts: np.ndarray, accepted: np.ndarray, emitted: np.ndarray) -> None:
-        """After a verify step: rows ``active`` accepted ``accepted`` [B] of ``drafts`` and then
-        emitted ``emitted`` [B] (the target's own token); cut the cache to what stays valid."""
+    def advance(self, active: np.ndarray, drafts: np.ndarray, tokens: np.ndarray, accepted: np.ndarray,
+                hidden=None) -> None:
+        """After a verify step: rows ``active`` accepted ``accepted`` [B] of ``drafts`` and
+        emitted ``tokens`` [B,K+1] (the accepted drafts, then the target's own token); cut the
+        cache to what stays valid. (``hidden``: the target's hidden states, which only the MTP
+        drafter reads.)"""
         K = drafts.shape[1]
         for b in np.flatnonzero(active):
             a = int(accepted[b])
             self.lengths[b] -= (K - 1) - min(a, K - 1)
-            self.pending[b] = ([int(drafts[b, K - 1])] if a == K else []) + [int(emitted[b])]
+            self.pending[b] = ([int(drafts[b, K - 1])] if a == K else []) + [int(tokens[b, a])]
         self._set_lengths()
 
     def plain(self, active: np.ndarray, emitted: np.ndarray) -> None:

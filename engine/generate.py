@@ -21,14 +21,16 @@ from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, b
 from dayzero.engine.step_cache import StepCache
 from dayzero.engine.speculative import SpecConfig, SpecStats, check_speculative, stream_speculative
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
-from dayzero.engine.runtime import RunConfig, RunConfigError, default_dtype, resolve_run, weights_storage
+from dayzero.engine.runtime import RunConfig, RunConfigError, default_dtype, resolve_run, tied_head, weights_storage
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
 from dayzero.model.parallel import Parallel
+from dayzero.model.offload import offload_layers
 from dayzero.model.quant import KVQuant, WeightQuant
 from dayzero.model.mrope import ImageInput, continuation
 from dayzero.model.transformer import forward
-from dayzero.model.cache import KVCache, append_to_cache, cache_specs, init_cache
+from dayzero.model.cache import KVCache, append_to_cache, cache_specs, empty_from_specs, init_cache
+from dayzero.model import pipeline
 from dayzero.model.weights import (Weights, abstract_weights, aligned_weights, axis_sizes, mesh_aligned_specs,
                                    quantize_weights)
 from dayzero.sharding.placement import Placement
@@ -40,6 +42,9 @@ MIN_CACHE_LEN = 256
 # Prompts longer than this are prefilled in chunks of this many tokens (see _prefill_chunks):
 # each chunk scans the whole allocated cache, so smaller chunks cost more attention work.
 PREFILL_CHUNK = 1024
+# Greedy decode steps per call of a pipeline with micro-batches in flight (pipeline_decode): the
+# pipeline fills and drains once per call, a bubble of (S - 1) / (steps * M + S - 1).
+IN_FLIGHT_STEPS = 8
 
 
 class GenerationError(ValueError):
@@ -161,10 +166,18 @@ class Engine:
             # Tied embeddings: XLA:CPU's matvec against the [V,D] embedding took ~6 ms more per
             # SmolLM2 decode step than against a [D,V] copy (34 vs 40 ms), worth V*D more bytes.
             weights = weights.replace(lm_head=self._transposed(weights.embed))
+        self._stages = None  # the pipeline's StagePlan on a mesh with stage > 1
         if run.placement is not None:  # a no-op for weights loaded straight into their shardings
             specs = weight_specs(config, run, weights.lm_head is not None)
             weights = jax.device_put(aligned_weights(weights, specs), run.placement.shardings(specs))
+            if run.placement.axes.get("stage", 1) > 1:
+                weights = self._staged(weights, specs)
+        if run.offload_weights:
+            weights = offload_layers(weights, run.placement)
         self.weights = weights
+        # Pipeline micro-batches per step (at most; a divisor of the batch): more shrink the bubble,
+        # (S - 1) / (M + S - 1) of the stage-ticks, but cut the batch into smaller matmuls.
+        self.micro_batches = 1 if self._stages is None else self._stages.num_stages
         self._parallel = run.parallel
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else config.eos_token_ids)
@@ -179,6 +192,11 @@ class Engine:
         self._append = jax.jit(append_to_cache if run.placement is None else self._append_on_mesh, donate_argnums=(0,))
         # Warm starts read these steps whole from disk (no trace, no lowering) when --compile-cache is on.
         self._steps = StepCache(scope=repr((config, run)))
+        if self._stages is not None:  # greedy decode with micro-batches in flight across steps
+            self._decode_loop = jax.jit(
+                lambda w, first, cache, steps, num_micro: pipeline.pipeline_decode(
+                    w, config, self._stages, self._parallel, first, cache, steps, num_micro),
+                static_argnames=("steps", "num_micro"), donate_argnums=(2,))
 
     @property
     def placement(self) -> Placement | None:
@@ -194,7 +212,8 @@ class Engine:
     def load(cls, model_dir: str | Path | None = None, dtype=None, progress: bool = True,
              placement: Placement | None = None, quantize: WeightQuant | str | None = None,
              kv_cache: KVQuant | str | None = None, kernels: KernelMode | str | None = None,
-             capacity_factor: float | None = None, grouped_matmul: str | None = None) -> "Engine":
+             capacity_factor: float | None = None, grouped_matmul: str | None = None,
+             offload_weights: bool = False) -> "Engine":
         """Load a converted model directory (default: the embedded SmolLM2-135M-Instruct).
 
         Every option is resolved and checked first, together, by
@@ -206,7 +225,8 @@ class Engine:
         converted with ``--quantize`` is used as stored. ``kv_cache``: none, int8 or fp8.
         ``kernels``: reference, pallas or pallas_interpret. ``capacity_factor`` and
         ``grouped_matmul``: the expert-parallel MoE dispatch (``dayzero.model.parallel``).
-        A multimodal checkpoint's ``preprocessor_config.json`` becomes ``image_config``.
+        ``offload_weights``: hold the decoder layers in host memory, streamed to the device a
+        layer ahead of use (``dayzero.model.offload``). A multimodal checkpoint's ``preprocessor_config.json`` becomes ``image_config``.
         """
         from dayzero.convert import load_checkpoint
         from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization
@@ -217,7 +237,7 @@ class Engine:
         stored = stored_quantization(read_manifest(model_dir))
         run = resolve_run(read_config(model_dir), dtype=dtype, quantize=quantize, stored=stored, kv_cache=kv_cache,
                           kernels=kernels, placement=placement, capacity_factor=capacity_factor,
-                          grouped_matmul=grouped_matmul)
+                          grouped_matmul=grouped_matmul, offload_weights=offload_weights)
         shardings = None
         if placement is not None:  # restored as stored, then aligned and quantized as the run says
             shardings = placement.shardings(abstract_weights(read_config(model_dir), stored))
@@ -235,10 +255,18 @@ class Engine:
 
     # ---- placement -------------------------------------------------------------------------
 
+    def _staged(self, weights: Weights, specs) -> pipeline.StagedWeights:
+        """The weights stacked into pipeline stages on the placement's ``stage`` axis
+        (``dayzero.model.pipeline``); what it cannot pipeline was refused by ``runtime.resolve_run``."""
+        run = self.run
+        self._stages = pipeline.plan_stages(specs, run.placement.axes["stage"])
+        shardings = run.placement.shardings(pipeline.staged_specs(specs, self._stages))
+        return jax.jit(pipeline.stage_weights, static_argnums=1, out_shardings=shardings)(weights, self._stages)
+
     def _transposed(self, embed: jax.Array) -> jax.Array:
         """The [D,V] copy of a tied [V,D] embedding, laid out as an untied head would be."""
-        if self.placement is None:
-            return jnp.asarray(embed.T)
+        if self.placement is None:  # int8 under int8/int4 weights (runtime.tied_head)
+            return tied_head(embed, self.run)
         head = self.placement.sharding(("embed", "vocab"), embed.T.shape)
         return jax.jit(jnp.transpose, out_shardings=head)(embed)
 
@@ -252,7 +280,19 @@ class Engine:
     def _cache_shardings(self, batch: int, max_len: int):
         if self.placement is None:
             return None
+        if self._stages is not None:
+            return self.placement.shardings(pipeline.staged_cache_specs(self.config, self._stages, batch, max_len))
         return self.placement.shardings(cache_specs(self.config, batch, max_len, self.kv_cache))
+
+    def _init_cache(self, batch: int, max_len: int):
+        """An empty contiguous cache for ``batch`` rows of ``max_len`` positions (stacked by stage
+        on a pipeline), laid out on the mesh."""
+        if self._stages is not None:
+            dtype = self.weights.outer.embed.dtype
+            return empty_from_specs(pipeline.staged_cache_specs, self.config, self._stages, batch, max_len, dtype,
+                                    shardings=self._cache_shardings(batch, max_len))
+        return init_cache(self.config, batch, max_len, self.weights.embed.dtype, self.kv_cache,
+                          self._cache_shardings(batch, max_len))
 
     # ---- compiled pieces -------------------------------------------------------------------
 
@@ -260,10 +300,17 @@ class Engine:
                    images: ImageInput | None = None, rope_deltas=None):
         if rope_deltas is not None:  # a text step after an image prompt: positions shifted per row
             images = continuation(cache.lengths, tokens.shape[1], rope_deltas)
+        if self._stages is not None:
+            num_micro = pipeline.micro_batches(tokens.shape[0], self.micro_batches)
+            logits, new = pipeline.pipeline_forward(weights, self.config, self._stages, self._parallel, tokens, cache,
+                                                    num_new, num_micro)
+            next_tokens, logprobs = sample(logits, rows, step, mode)
+            replicated = self._parallel.placement.replicated()
+            return (*jax.lax.with_sharding_constraint((next_tokens, logprobs), replicated), new)
         return engine_step(self.config, self._parallel, weights, tokens, num_new, rows, step, mode, cache, images)
 
     def _append_on_mesh(self, cache, new):
-        cache = append_to_cache(cache, new)
+        cache = pipeline.append_staged(cache, new) if self._stages is not None else append_to_cache(cache, new)
         # The written cache keeps the layout it was made with, so the next step sees the same input.
         return jax.lax.with_sharding_constraint(cache, self._cache_shardings(*cache.lengths.shape, cache.max_len))
 
@@ -362,6 +409,9 @@ class Engine:
         if not batch:
             raise GenerationError("no prompts given")
         check_max_new_tokens(max_new_tokens)
+        if self._stages is not None and (speculative is not None or images is not None):
+            raise GenerationError("a pipelined engine (--mesh stage=N) does not take speculative decoding or images "
+                                  "yet; drop the stage axis for those requests")
         if speculative is not None:
             check_speculative(self.config, self.run, speculative)
         params = [sampling] * len(batch) if isinstance(sampling, SamplingParams) else list(sampling)
@@ -450,6 +500,10 @@ class Engine:
             deltas = self._host(prefill.deltas)
         next_tok, logprob, cache = self._prefill_chunks(ids, lengths, max_new_tokens, rows, mode, prefill)
         B = len(ids)
+        in_flight = self._in_flight_micro_batches(mode, B)
+        if in_flight is not None:
+            yield from self._stream_in_flight(next_tok, logprob, cache, max_new_tokens, in_flight)
+            return
         ones = self._host(np.ones((B,), np.int32))
         for step in range(1, max_new_tokens + 1):
             produced = (next_tok, logprob)
@@ -459,6 +513,29 @@ class Engine:
                 next_tok, logprob, cache = self._run_step(next_tok[:, None], cache, ones, rows, step, mode,
                                                           rope_deltas=deltas)
             yield np.asarray(produced[0]), np.asarray(produced[1])
+
+    def _in_flight_micro_batches(self, mode: SamplingMode, batch: int) -> int | None:
+        """The micro-batch count with which a pipelined engine decodes ``batch`` greedy rows with
+        micro-batches in flight (``pipeline.pipeline_decode``), or None where it cannot: not a
+        pipeline, sampled rows, or no divisor of the batch >= the stage count (then each step
+        runs through the pipeline on its own, draining it)."""
+        if self._stages is None or mode is not SamplingMode.GREEDY:
+            return None
+        stages = self._stages.num_stages
+        m = pipeline.micro_batches(batch, max(self.micro_batches, stages))
+        return m if m >= stages else None
+
+    def _stream_in_flight(self, tok, logprob, cache, max_new_tokens: int, num_micro: int):
+        """Yield the prefill's ``(tok, logprob)``, then the rest of ``max_new_tokens`` in calls of
+        up to ``IN_FLIGHT_STEPS`` greedy steps each with ``num_micro`` micro-batches in flight."""
+        yield np.asarray(tok), np.asarray(logprob)
+        done = 1
+        while done < max_new_tokens:
+            steps = min(IN_FLIGHT_STEPS, max_new_tokens - done)
+            toks, lps, cache = self._decode_loop(self.weights, tok, cache, steps=steps, num_micro=num_micro)
+            for i in range(steps):
+                yield np.asarray(toks[i]), np.asarray(lps[i])
+            tok, done = toks[-1], done + steps
 
     def _prefill_chunks(self, ids, lengths, max_new_tokens, rows, mode, images=None) -> tuple:
         """Prefill the prompts in chunks of at most ``PREFILL_CHUNK`` tokens.
@@ -473,8 +550,7 @@ class Engine:
         T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
         padded = -(-longest // T) * T
         max_len = cache_length(longest, max_new_tokens)
-        cache = init_cache(self.config, B, max_len, self.weights.embed.dtype, self.kv_cache,
-                           self._cache_shardings(B, max_len))
+        cache = self._init_cache(B, max_len)
         tokens = np.zeros((B, padded), np.int32)
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row

@@ -88,7 +88,10 @@ class ServingConfig:
     verified K+1 tokens per row in one decode step; ``dayzero.engine.serving_spec``), or None.
     swap_bytes: host memory for the pages (and slot states) of preempted requests, copied back
     at readmission instead of recomputed (``dayzero.engine.kv_swap``; default: as much as the
-    device pool; 0: recompute).
+    device pool; 0: recompute). host_cache_bytes: host memory for a second prefix-cache tier: cached
+    prefix pages the device pool evicts are copied there (least recently used out first) and
+    copied back on a later prefix match instead of recomputed (``dayzero.engine.kv_swap``; default:
+    as much as the device pool; 0: none; needs ``prefix_cache``).
     """
 
     slots: int = 8
@@ -104,6 +107,7 @@ class ServingConfig:
     state_snapshots: int | None = None
     speculative: Any = None
     swap_bytes: int | None = None
+    host_cache_bytes: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -112,6 +116,7 @@ class ServingConfig:
             (self.num_pages is None or self.num_pages >= 1, "num_pages", "at least 1"),
             (self.state_snapshots is None or self.state_snapshots >= 0, "state_snapshots", "at least 0"),
             (self.swap_bytes is None or self.swap_bytes >= 0, "swap_bytes", "at least 0"),
+            (self.host_cache_bytes is None or self.host_cache_bytes >= 0, "host_cache_bytes", "at least 0"),
             (self.max_context is None or self.max_context >= 2, "max_context", "at least 2"),
             (_pow2(self.min_chunk) and _pow2(self.max_chunk) and self.min_chunk <= self.max_chunk,
              "max_chunk", f"a power of two >= min_chunk={self.min_chunk} (also a power of two)"),

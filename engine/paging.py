@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -65,6 +65,8 @@ class PagePool:
         self._page_of: dict[bytes, int] = {}  # prefix hash -> page holding that block
         self._hash_of: dict[int, bytes] = {}  # page -> its prefix hash (registered pages only)
         self.evictions = 0
+        # Called with the (page, prefix hash) pairs an allocation evicts (see ``allocate_many``).
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     # ---- counts ------------------------------------------------------------------------------
 
@@ -91,16 +93,31 @@ class PagePool:
         Takes a free page if there is one, else evicts the least recently used cached page.
         Raises :class:`PoolExhausted` when every page is referenced.
         """
-        if self._free:
-            page = self._free.popleft()
-        elif self._cached:
-            page, _ = self._cached.popitem(last=False)
-            del self._page_of[self._hash_of.pop(page)]
-            self.evictions += 1
-        else:
-            raise PoolExhausted(f"all {self.num_pages} pages are in use")
-        self.refcount[page] = 1
-        return page
+        return self.allocate_many(1)[0]
+
+    def allocate_many(self, n: int) -> list[int]:
+        """``n`` pages as :meth:`allocate` takes them, or none (:class:`PoolExhausted`) when fewer
+        are available. The cached pages evicted for them are handed to ``on_evict`` (if set) as
+        ``(page, prefix hash)`` pairs, oldest first, in one call before this returns: their
+        contents are intact until the caller writes the pages (the host prefix tier copies them)."""
+        if n > self.available:
+            raise PoolExhausted(f"all {self.num_pages} pages are in use" if not self.available else
+                                f"{n} pages asked for, {self.available} available")
+        pages, evicted = [], []
+        for _ in range(n):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, _ = self._cached.popitem(last=False)
+                prefix_hash = self._hash_of.pop(page)
+                del self._page_of[prefix_hash]
+                evicted.append((page, prefix_hash))
+                self.evictions += 1
+            self.refcount[page] = 1
+            pages.append(page)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        return pages
 
     def release(self, pages: Sequence[int]) -> None:
         """Drop one reference to each page; unreferenced pages become cached (if registered) or free.
@@ -197,3 +214,54 @@ class SnapshotPool:
 
     def __len__(self) -> int:
         return len(self._row_of)
+
+
+class HostPrefixCache:
+    """Prefix pages the device pool evicted, kept in host memory: the serving engine's second
+    prefix-cache tier (``dayzero.engine.kv_swap``). Maps a page's chained prefix hash to its host
+    row (anything with ``nbytes``), within ``budget`` bytes; the least recently used rows go first.
+
+    >>> tier = HostPrefixCache(budget=8)
+    >>> tier.put(b"h0", np.zeros(8, np.uint8)), len(tier.match([b"h0", b"h1"]))
+    (True, 1)
+    """
+
+    def __init__(self, budget: int):
+        if budget < 0:
+            raise ValueError(f"budget={budget} must be at least 0 bytes")
+        self.budget, self.used, self.evictions = budget, 0, 0
+        self._rows: collections.OrderedDict[bytes, object] = collections.OrderedDict()
+
+    def __contains__(self, prefix_hash: bytes) -> bool:
+        return prefix_hash in self._rows
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def put(self, prefix_hash: bytes, row) -> bool:
+        """Keep ``row`` as the page ``prefix_hash`` (most recently used), evicting the least
+        recently used rows to make room; False (nothing kept) if it is larger than the budget."""
+        if prefix_hash in self._rows:
+            self._rows.move_to_end(prefix_hash)
+            return True
+        if row.nbytes > self.budget:
+            return False
+        while self.used + row.nbytes > self.budget:
+            _, old = self._rows.popitem(last=False)
+            self.used -= old.nbytes
+            self.evictions += 1
+        self._rows[prefix_hash] = row
+        self.used += row.nbytes
+        return True
+
+    def match(self, hashes: Sequence[bytes]) -> list:
+        """The rows of the longest leading run of ``hashes`` held, marked used (the head of a
+        prefix most recently: it is shared by more sequences than its tail, so it goes last)."""
+        found = []
+        for h in hashes:
+            if h not in self._rows:
+                break
+            found.append(h)
+        for h in reversed(found):
+            self._rows.move_to_end(h)
+        return [self._rows[h] for h in found]

@@ -38,6 +38,7 @@ What is refused (:func:`resolve_run` raises):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -51,7 +52,7 @@ from dayzero.model.moe import GroupedMatmul
 from dayzero.model.mesh_check import kernel_split_refusal, mesh_refusal
 from dayzero.model.parallel import Parallel
 from dayzero.model.quant import (KVQuant, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant,
-                                 parse_kv_quant, parse_weight_quant)
+                                 parse_kv_quant, parse_weight_quant, quantize)
 from dayzero.sharding.placement import Placement
 
 
@@ -70,6 +71,8 @@ class RunConfig:
     runs (reference, pallas, pallas_interpret). ``placement``: the mesh and its rules (None: one
     device). ``capacity_factor`` / ``grouped_matmul``: the MoE dispatch (see ``model.parallel``).
     ``requested``: the options as they were asked for (``auto`` included), for reports.
+    ``offload_weights``: the decoder layers' weights live in host memory and are streamed to the
+    device a layer ahead inside each step (``dayzero.model.offload``).
     """
 
     dtype: Any
@@ -80,6 +83,7 @@ class RunConfig:
     capacity_factor: float | None = None
     grouped_matmul: GroupedMatmul | None = None
     requested: tuple[tuple[str, str], ...] = ()
+    offload_weights: bool = False
 
     @property
     def weights(self) -> WeightQuant:
@@ -112,6 +116,7 @@ class RunConfig:
             "moe_capacity_factor": self.capacity_factor,
             "grouped_matmul": None if self.grouped_matmul is None else self.grouped_matmul.value,
             "requested": dict(self.requested),
+            "offload_weights": self.offload_weights,
         }
 
 
@@ -124,7 +129,7 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
                 stored: QuantConfig = QuantConfig(), kv_cache: KVQuant | str | None = None,
                 kernels: KernelMode | str | None = None, placement: Placement | None = None,
                 capacity_factor: float | None = None,
-                grouped_matmul: GroupedMatmul | str | None = None) -> RunConfig:
+                grouped_matmul: GroupedMatmul | str | None = None, offload_weights: bool = False) -> RunConfig:
     """The :class:`RunConfig` for ``model`` with these options (None / "auto": the platform's
     choice); ``stored``: how the checkpoint's weights are stored. Raises :class:`RunConfigError`
     for an unknown value or a combination that cannot run (see the module docstring)."""
@@ -150,8 +155,25 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
             mode = KernelMode.REFERENCE  # auto: the platform's best that runs on this mesh
         if mode is not KernelMode.REFERENCE:
             _check_kernels_on_mesh(model, placement, mode)
+        _check_pipeline(model, placement, quant, kv, mode, offload_weights)
     return RunConfig(jnp.dtype(dtype or default_dtype()), quant, kv, mode, placement, capacity_factor, matmul,
-                     tuple(requested.items()))
+                     tuple(requested.items()), offload_weights)
+
+
+def _check_pipeline(model: ModelConfig, placement: Placement, quant: QuantConfig, kv: KVQuant, mode: KernelMode,
+                    offload_weights: bool) -> None:
+    """Refuse what a mesh with ``stage`` > 1 cannot run yet (``dayzero.model.pipeline``)."""
+    if placement.axes.get("stage", 1) == 1:
+        return
+    from dayzero.model.pipeline import pipeline_refusal
+
+    reason = pipeline_refusal(model, placement.axes, kernels=mode, quantized=quant.weights is not WeightQuant.NONE,
+                              kv_quantized=kv is not KVQuant.NONE)
+    if reason is None and offload_weights:
+        reason = ("--offload-weights streams the per-layer weights, and a stage mesh stacks them by stage: "
+                  "drop one of --offload-weights and --mesh stage=N")
+    if reason is not None:
+        raise RunConfigError(reason)
 
 
 def _model_kernels(model: ModelConfig, mode: KernelMode, requested: KernelMode | str | None) -> KernelMode:
@@ -207,6 +229,32 @@ def _weight_storage(quantize, stored: QuantConfig) -> QuantConfig:
     return stored
 
 
+# How the CPU engine stores its [D,V] output-head copy of a tied embedding (21% of SmolLM2-135M's
+# parameters, read every decode step) under each weight scheme: int8, one scale per vocabulary
+# column, where the dense projections are int8 too (int8, and int4 whose dense projections are
+# int8); float otherwise. Quantized, the head runs on the tiled matvec
+# (``dayzero.model.quant_matmul``); fp8 is left float because XLA:CPU converts fp8 (and int4) to
+# fp32 ~10x slower than int8, so an fp8 head would cost time (measured: the [576 x 49152] matvec
+# 150-230 ms fp8, 6-8 ms int8, 11-23 ms fp32 on a loaded 2-core host).
+TIED_HEAD_FORMAT = {WeightQuant.INT8: ValueFormat.INT8, WeightQuant.INT4: ValueFormat.INT8}
+
+
+def tied_head(embed: jax.Array, run: RunConfig) -> jax.Array | QuantizedArray:
+    """The single-device [D,V] output head made from a tied [V,D] ``embed``: quantized per
+    vocabulary column as :data:`TIED_HEAD_FORMAT` says for ``run``'s weights, else a float copy.
+    The embedding itself stays float (its gathered rows are the model's input)."""
+    head = jnp.asarray(embed.T)
+    fmt = TIED_HEAD_FORMAT.get(run.weights)
+    if fmt is None or run.placement is not None:
+        return head
+    return _quantized_head(head, fmt)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _quantized_head(head: jax.Array, fmt: ValueFormat) -> QuantizedArray:
+    return quantize(head, fmt, (0,))
+
+
 def check_placement(model: ModelConfig, placement: Placement) -> None:
     """Raise :class:`RunConfigError` unless ``placement``'s mesh can run this model at all (the
     device-free decision ``model.mesh_check.mesh_refusal``, which the planner also asks)."""
@@ -247,7 +295,12 @@ def check_page_pool(run: RunConfig, model: ModelConfig, num_pages: int, page_siz
     """Refuse a page pool the kernels cannot address: Pallas Triton computes 32-bit element
     offsets for arrays under 2^32 bytes, so a 1-byte (int8/fp8) pool of 2^31 to 2^32 elements on
     one device would overflow them (``kernels.tiles.pallas_offsets_fit``). Checked on each
-    device's share of the pool, when the pages are made, before anything is allocated."""
+    device's share of the pool, when the pages are made, before anything is allocated. Also
+    refuses a pipeline mesh: the serving engine's paged steps are not staged yet."""
+    if run.placement is not None and run.placement.axes.get("stage", 1) > 1:
+        raise RunConfigError(f"the serving engine does not run pipeline stages yet (--mesh stage="
+                             f"{run.placement.axes['stage']}); serve on tensor/expert/data meshes, or use "
+                             "dayzero generate / Engine.generate with the stage mesh")
     if not run.on_kernels or run.kv_cache is KVQuant.NONE:
         return
     from dayzero.kernels.tiles import pallas_offsets_fit
@@ -301,7 +354,8 @@ def on_placement(run: RunConfig, model: ModelConfig, placement: Placement | None
 def options_from_args(args: Any) -> dict[str, Any]:
     """The run options of a parsed ``generate`` / ``bench`` command line as ``Engine.load``
     takes them (``--quantize``, ``--kv-cache``, ``--kernels``); resolved by :func:`resolve_run`."""
-    return dict(quantize=args.quantize, kv_cache=args.kv_cache, kernels=args.kernels)
+    return dict(quantize=args.quantize, kv_cache=args.kv_cache, kernels=args.kernels,
+                offload_weights=getattr(args, "offload_weights", False))
 
 
 def kernels_record(run: RunConfig) -> dict[str, str]:

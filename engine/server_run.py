@@ -52,19 +52,26 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _size(value: str | None, flag: str) -> int | None:
+    """A serve option's byte size (``4GiB``, ``500MB``, ``0``), None if not given."""
+    if value is None:
+        return None
+    from dayzero.sharding.planner import PlanError, parse_size
+
+    try:
+        return 0 if value.strip() == "0" else parse_size(value)
+    except PlanError:
+        raise ServeError(f"{flag} {value!r} is not a size; write e.g. 4GiB, 500MB or 0") from None
+
+
 def serving_config(args: argparse.Namespace):
     """The ``ServingConfig`` the serve options ask for (defaults: the engine's)."""
     from dayzero.engine.paged_steps import ServingConfig
 
     given = {"slots": args.slots, "page_size": args.page_size, "num_pages": args.num_pages,
              "max_context": args.max_context, "max_chunk": args.max_chunk, "state_snapshots": args.state_snapshots}
-    if args.swap_space is not None:
-        from dayzero.sharding.planner import PlanError, parse_size
-
-        try:
-            given["swap_bytes"] = 0 if args.swap_space.strip() == "0" else parse_size(args.swap_space)
-        except PlanError:
-            raise ServeError(f"--swap-space {args.swap_space!r} is not a size; write e.g. 4GiB, 500MB or 0") from None
+    for flag, field in (("swap_space", "swap_bytes"), ("host_cache", "host_cache_bytes")):
+        given[field] = _size(getattr(args, flag, None), "--" + flag.replace("_", "-"))
     if args.speculative is not None:
         from dayzero.engine.speculative import SpecConfig
 

@@ -37,6 +37,12 @@ the prompt's last page boundary stops there, so that boundary is always copied),
 reuses cached pages only up to the last one with a snapshot, which is copied into its slot at
 admission.
 
+Host memory is a second tier (``kv_swap.HostSwap``, rows in ``pinned_host`` memory where the
+backend has it): a preempted request's pages and slot states are copied there (within
+``swap_bytes``) and back at readmission, but for leading pages the device's prefix cache still
+holds; and a cached prefix page the pool evicts is copied to a host prefix tier (within
+``host_cache_bytes``), where an admission's prefix match continues past the device cache.
+
 A request's tokens do not depend on what else runs: every row computes the same function of its
 own inputs, sampling keys come from the request's seed and the index of the token within the
 request (never the slot or the step), and recomputation after preemption reproduces the same
@@ -94,9 +100,9 @@ class ServingEngine:
         self.pool = PagePool(self.config.num_pages)  # the pages' bookkeeping
         # Which prefixes' slot states are kept (models with per-slot states and a prefix cache).
         self.snapshots = SnapshotPool(self.config.state_snapshots) if self.steps.snapshots is not None else None
-        # Host memory for preempted requests' pages (one process only: a process holds its shards).
-        budget = self.steps.kv_bytes if self.config.swap_bytes is None else self.config.swap_bytes
-        self.swap = HostSwap(self.steps, budget) if budget and jax.process_count() == 1 else None
+        # Host memory for preempted requests' pages and for the prefix pages the device pool
+        # evicts (one process only: a process holds its shards).
+        self.swap = self._host_memory()
         self.stats = ServingStats()
         self._ids = itertools.count()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -104,6 +110,18 @@ class ServingEngine:
         self._finished: dict[int, _Request] = {}
         self._admissions = itertools.count()
         self._cancelled: set[int] = set()  # withdrawn during the step ``stream`` is handing out
+
+    def _host_memory(self) -> HostSwap | None:
+        """The host tier of the pool (swap and host prefix cache), or None when neither is on."""
+        c, device = self.config, self.steps.kv_bytes
+        budget = device if c.swap_bytes is None else c.swap_bytes
+        tier = (device if c.host_cache_bytes is None else c.host_cache_bytes) if c.prefix_cache else 0
+        if not (budget or tier) or jax.process_count() > 1:
+            return None
+        swap = HostSwap(self.steps, budget, tier)
+        if swap.prefixes is not None:
+            self.pool.on_evict = self._spill
+        return swap
 
     # ---- API -----------------------------------------------------------------------------------
 
@@ -210,7 +228,8 @@ class ServingEngine:
         """Compile every step shape up front (after it, serving compiles nothing); returns the
         number of shapes. ``constrained`` / ``top_logprobs``: also the sampling variants with
         token masks / with top logprobs (else compiled when a batch first needs them)."""
-        return sum(r.steps.warmup(constrained, top_logprobs) for r in self.replicas)
+        return sum(r.steps.warmup(constrained, top_logprobs) + (r.swap.warmup() if r.swap else 0)
+                   for r in self.replicas)
 
     def cancel(self, request_id: int) -> bool:
         """Stop request ``request_id`` now: it produces no further Event (``stream`` drops the
@@ -295,47 +314,80 @@ class ServingEngine:
                 self.steps.restore(r.slot, r.restore)
                 self.stats.snapshots_restored += 1
                 r.restore = None
-            if r.swapped is not None:  # its pages and states back from the host
-                self.swap.into(r.swapped, r.pages, r.slot)
+            if r.swapped is not None:  # its pages and states back from the host, but those still cached
+                self.swap.into(r.swapped, r.pages, r.slot, skip=r.registered)
                 self.stats.swapped_in += 1
-                self.stats.swapped_tokens += r.computed
+                self.stats.swapped_tokens += r.computed - r.registered * self.config.page_size
                 r.swapped = None
 
     def _allocate(self, r: _Request) -> bool:
-        """Give ``r`` the pages of its whole prompt (its cached prefix's first), if the pool has them
-        with one page of growth left for every running request; whether it did."""
-        if r.swapped is not None:  # readmitted after a swap: fresh pages, filled from the host
-            needed = self.config.pages_for(len(r.tokens))
-            if self.pool.available < needed + len(self._running()):
-                return False
-            r.pages = [self.pool.allocate() for _ in range(needed)]
-            r.computed, r.registered = r.swapped.computed, 0
-            return True
-        matched = []
+        """Give ``r`` the pages of its whole prompt (its cached prefix's first: from the device's
+        prefix cache, then copied from the host tier's), if the pool has them with one page of
+        growth left for every running request; whether it did."""
+        if r.swapped is not None:
+            return self._allocate_swapped(r)
+        matched, hosted = [], []
         if self.config.prefix_cache:
             r.hashes = page_hashes(self._hashed(r), self.config.page_size, r.hashes)
             # Leave at least one token to compute: its logits give the next token.
-            matched = self.pool.match_prefix(r.hashes[: (len(r.tokens) - 1) // self.config.page_size])
-            matched = self._restorable(r, matched)
+            wanted = r.hashes[: (len(r.tokens) - 1) // self.config.page_size]
+            matched = self.pool.match_prefix(wanted)
+            if self.swap is not None:
+                hosted = self.swap.match(wanted[len(matched):])
+            matched, hosted = self._restorable(r, matched, hosted)
         needed = self.config.pages_for(len(r.tokens)) - len(matched)
         if self.pool.available < needed + len(self._running()):
             self.pool.release(matched)
             r.restore = None
             return False
-        r.pages = matched + [self.pool.allocate() for _ in range(needed)]
-        r.registered = len(matched)
-        r.computed = len(matched) * self.config.page_size
+        r.pages = matched + self.pool.allocate_many(needed)
+        reused = len(matched) + len(hosted)
+        if hosted:  # copied into fresh pages, which then hold those prefixes in the device cache too
+            self.swap.fill(r.pages[len(matched) : reused], hosted)
+            for i in range(len(matched), reused):
+                self.pool.register(r.pages[i], r.hashes[i])
+            self.stats.host_cached_tokens += len(hosted) * self.config.page_size
+        r.registered = reused
+        r.computed = reused * self.config.page_size
         return True
 
-    def _restorable(self, r: _Request, matched: list[int]) -> list[int]:
-        """The leading ``matched`` pages ``r`` can reuse: all of them, or with per-slot states up to
-        the last page whose states have a snapshot (set as ``r.restore``; the rest released)."""
+    def _allocate_swapped(self, r: _Request) -> bool:
+        """``_allocate`` for a request readmitted after a swap: its leading full pages still in
+        the device's prefix cache are reused (they hold what its swapped copies hold), fresh pages
+        take the rest and are filled from the host at admission (``swap.into``)."""
+        matched = []
+        if self.config.prefix_cache:
+            matched = self.pool.match_prefix(r.hashes[: r.swapped.computed // self.config.page_size])
+        needed = self.config.pages_for(len(r.tokens)) - len(matched)
+        if self.pool.available < needed + len(self._running()):
+            self.pool.release(matched)
+            return False
+        r.pages = matched + self.pool.allocate_many(needed)
+        r.computed, r.registered = r.swapped.computed, len(matched)
+        return True
+
+    def _restorable(self, r: _Request, matched: list[int], hosted: list) -> tuple[list[int], list]:
+        """The leading ``matched`` pages and then ``hosted`` rows ``r`` can reuse: all of them, or
+        with per-slot states up to the last page whose states have a snapshot (set as
+        ``r.restore``; the other pages released). Snapshots stay on the device: the host tier
+        holds pages only, which a hybrid reuses only up to a boundary with a snapshot."""
         if self.snapshots is None:
-            return matched
-        keep = next((k for k in range(len(matched), 0, -1) if self.snapshots.lookup(r.hashes[k - 1]) is not None), 0)
+            return matched, hosted
+        keep = next((k for k in range(len(matched) + len(hosted), 0, -1)
+                     if self.snapshots.lookup(r.hashes[k - 1]) is not None), 0)
         self.pool.release(matched[keep:])
         r.restore = self.snapshots.lookup(r.hashes[keep - 1]) if keep else None
-        return matched[:keep]
+        return matched[:keep], hosted[: max(0, keep - len(matched))]
+
+    def _spill(self, evicted: list[tuple[int, bytes]]) -> None:
+        """``pool.on_evict``: copy the evicted prefix pages to the host prefix tier."""
+        copied = self.swap.spill(evicted)
+        self.stats.host_spilled_pages += copied
+        self._count_host(copied)
+
+    def _count_host(self, pages: int) -> None:
+        self.stats.host_pages += pages
+        self.stats.pinned_host_pages += pages * (self.swap.kind == "pinned_host")
 
     def _grow_decoding(self) -> list[_Request]:
         """Give each decoding request a page for its next token, preempting when the pool is
@@ -360,6 +412,7 @@ class ServingEngine:
         if self.swap is not None and r.computed:
             r.swapped = self.swap.out(r.pages[: self.config.pages_for(r.computed)], r.computed, r.slot)
             self.stats.swapped_out += r.swapped is not None
+            self._count_host(0 if r.swapped is None else r.swapped.num_pages)
         self._free(r)
         r.computed, r.registered = 0, 0
         self._waiting.appendleft(r)

@@ -62,7 +62,11 @@ class ServingStats:
     spec_accepted: int = 0  # ... and accepted
     swapped_out: int = 0  # preempted requests whose pages went to host memory (``kv_swap``)
     swapped_in: int = 0  # ... and came back at readmission
-    swapped_tokens: int = 0  # positions restored from host memory instead of recomputed
+    swapped_tokens: int = 0  # positions copied back from a swap (the rest of its pages: device prefix cache)
+    host_spilled_pages: int = 0  # cached prefix pages the device pool evicted, copied to the host prefix tier
+    host_cached_tokens: int = 0  # positions copied back from the host prefix tier (part of cached_tokens)
+    host_pages: int = 0  # pages copied to host memory (swaps and the host prefix tier) ...
+    pinned_host_pages: int = 0  # ... of them held in the pinned_host memory kind (the rest: numpy)
 
 
 @dataclasses.dataclass

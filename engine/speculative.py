@@ -3,9 +3,11 @@ checks them all, and the accepted ones (plus one more token of the target's own)
 
 - Drafters: n-gram prompt lookup (:func:`ngram_draft`, host-side numpy): the longest suffix of
   the sequence so far (``max_n`` tokens down to ``min_n``) that occurred before in the prompt or
-  the generated text proposes the tokens that followed its latest occurrence; or a small draft
+  the generated text proposes the tokens that followed its latest occurrence; a small draft
   model sharing the tokenizer (``dayzero.engine.draft_model``), whose own distribution q each
-  draft is drawn from.
+  draft is drawn from; or the model's own multi-token-prediction module (DeepSeek-V3's
+  ``num_nextn_predict_layers``, ``dayzero.engine.mtp_drafter``), fed the target's hidden states
+  (the verify step returns them), its distribution q likewise.
 - The verify step (:func:`verify_step`) feeds each row's last emitted token and its K drafts
   through the contiguous-cache forward at once (T = K+1, padded; one compile per cache bucket)
   and gets K+1 rows of logits. :func:`accept_drafts` then applies the acceptance rule: greedy
@@ -45,7 +47,7 @@ if TYPE_CHECKING:  # generate imports this module
     from dayzero.engine.generate import Engine
 
 __all__ = ["DraftKind", "SpecConfig", "SpecStats", "SpeculativeError", "accept_drafts", "ngram_draft",
-           "speculative_refusal", "stream_speculative", "verify_step"]
+           "mtp_refusal", "speculative_refusal", "stream_speculative", "verify_step"]
 
 
 class SpeculativeError(RunConfigError):
@@ -57,6 +59,7 @@ class DraftKind(enum.Enum):
 
     NGRAM = "ngram"  # prompt lookup: the continuation of an earlier occurrence of the recent suffix
     DRAFT = "draft"  # a small model sharing the target's tokenizer (``SpecConfig.draft``)
+    MTP = "mtp"  # the target's own multi-token-prediction module (DeepSeek-V3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +68,8 @@ class SpecConfig:
     proposed and verified per step), for the n-gram drafter the suffix lengths ``ngram`` =
     (min_n, max_n) it looks up, longest first, and for the draft-model drafter the ``draft``
     :class:`~dayzero.engine.generate.Engine` (e.g. ``Engine.load(DIR)`` of a small model of the
-    same tokenizer)."""
+    same tokenizer). The MTP drafter (``kind="mtp"``) takes nothing more: the target's own
+    multi-token-prediction module drafts (:func:`mtp_refusal` says which models have one)."""
 
     kind: DraftKind | str = DraftKind.NGRAM
     num_draft_tokens: int = 4
@@ -134,14 +138,34 @@ def speculative_refusal(config: ModelConfig, run: RunConfig) -> str | None:
     return None
 
 
+def mtp_refusal(config: ModelConfig) -> str | None:
+    """Why the MTP drafter cannot draft for this model (None: it can): it needs DeepSeek-V3's
+    multi-token-prediction modules, converted from a checkpoint that has them."""
+    from dayzero.model.mtp import MTP_FAMILIES
+
+    if config.family not in MTP_FAMILIES:
+        return (f"--speculative mtp needs a model with multi-token-prediction layers that dayzero runs (DeepSeek-V3), "
+                f"not {config.family.value}; use --speculative ngram or draft:DIR")
+    if not config.mtp_layers:
+        return ("this model has no multi-token-prediction layers (num_nextn_predict_layers is 0); use --speculative "
+                "ngram or draft:DIR")
+    if not config.mtp_kept:
+        return ("this model was converted without its multi-token-prediction layers (the source had no "
+                f"model.layers.{config.num_layers}.* tensors); convert a checkpoint that has them, or use "
+                "--speculative ngram or draft:DIR")
+    return None
+
+
 def check_speculative(config: ModelConfig, run: RunConfig, spec: SpecConfig | None = None) -> None:
     """Raise :class:`SpeculativeError` if :func:`speculative_refusal` refuses (or, for a draft
-    model, ``draft_model.draft_refusal``)."""
+    model, ``draft_model.draft_refusal``; for the MTP drafter, :func:`mtp_refusal`)."""
     reason = speculative_refusal(config, run)
     if reason is None and spec is not None and spec.kind is DraftKind.DRAFT:
         from dayzero.engine.draft_model import draft_refusal
 
         reason = draft_refusal(spec.draft, config)
+    if reason is None and spec is not None and spec.kind is DraftKind.MTP:
+        reason = mtp_refusal(config)
     if reason is not None:
         raise SpeculativeError(reason)
 
@@ -252,15 +276,21 @@ def _against_draft_probs(probs, target, drafts, has_draft, draft_probs, uniform,
     return passes, jnp.where(jnp.any(excess > 0, axis=-1, keepdims=True), residual, target)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "mode"))
+@functools.partial(jax.jit, static_argnames=("config", "mode", "hidden"))
 def verify_step(weights, tokens, num_new, rows: RowSampling, steps, mode: SamplingMode,
-                cache: KVCache | LatentCache, config: ModelConfig, draft_probs=None):
+                cache: KVCache | LatentCache, config: ModelConfig, draft_probs=None, hidden: bool = False):
     """The forward over each row's last token and drafts ``tokens`` [B,K+1] (``num_new`` [B] of
     them real: 0 for a finished row), then :func:`accept_drafts` (``draft_probs``: the drafts'
-    q, None for point masses); returns its three outputs and what ``append_verified`` writes."""
-    logits, new = forward(weights, config, tokens, cache, num_new, all_logits=True)
+    q, None for point masses); returns its three outputs and what ``append_verified`` writes,
+    then with ``hidden`` the hidden states [B,K+1,D] after the final norm (the MTP drafter's)."""
+    layers = [] if hidden else None
+    logits, new = forward(weights, config, tokens, cache, num_new, all_logits=True, hidden_out=layers)
     out = accept_drafts(logits, tokens[:, 1:], jnp.maximum(num_new - 1, 0), rows, steps, mode, draft_probs)
-    return (*out, new)
+    if not hidden:
+        return (*out, new)
+    from dayzero.model.mtp import main_hidden
+
+    return (*out, new, main_hidden(weights, config, layers[-1]))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
@@ -277,20 +307,38 @@ def append_verified(cache: KVCache | LatentCache, new: NewKV | NewLatent, accept
 # ---- the generation loop -----------------------------------------------------------------------
 
 
-def _verify(engine: "Engine", tokens, num_new, rows, steps, mode, cache, draft_probs=None) -> tuple:
-    """One verify step and its cache write, its first compile counted in ``engine.compile_s``."""
-    key = ("verify", tokens.shape, cache.max_len, mode) + (() if draft_probs is None else ("q",))
+def _verify(engine: "Engine", tokens, num_new, rows, steps, mode, cache, draft_probs=None,
+            hidden: bool = False) -> tuple:
+    """One verify step and its cache write, its first compile counted in ``engine.compile_s``;
+    with ``hidden``, also the step's hidden states (else None)."""
+    key = ("verify", tokens.shape, cache.max_len, mode) + (() if draft_probs is None else ("q",)) + \
+        (("hidden",) if hidden else ())
     first = (key, "append") not in engine._steps
     start = time.perf_counter()
     extra = {} if draft_probs is None else {"draft_probs": draft_probs}
-    tok, lp, accepted, new = engine._steps.call(
+    tok, lp, accepted, new, *states = engine._steps.call(
         verify_step, key, engine.weights, jnp.asarray(tokens), jnp.asarray(num_new), rows, jnp.asarray(steps),
-        cache=cache, static={"mode": mode, "config": engine.config}, **extra)
+        cache=cache, static={"mode": mode, "config": engine.config, "hidden": hidden}, **extra)
     cache = engine._steps.call(append_verified, (key, "append"), cache, new, accepted)
     if first:
         jax.block_until_ready(tok)
         engine.compile_s += time.perf_counter() - start
-    return tok, lp, accepted, cache
+    return tok, lp, accepted, cache, states[0] if states else None
+
+
+def _drafter(engine: "Engine", spec: SpecConfig, ids: list[list[int]], first: np.ndarray, max_new_tokens: int,
+             rows: RowSampling, mode: SamplingMode):
+    """The drafter object of a draft-model or MTP run (None for n-gram drafts, drawn on the host)."""
+    K = spec.num_draft_tokens
+    if spec.kind is DraftKind.DRAFT:
+        from dayzero.engine.draft_model import DraftModel
+
+        return DraftModel(spec.draft, ids, first, max_new_tokens, K, rows, mode, engine.config.vocab_size)
+    if spec.kind is DraftKind.MTP:
+        from dayzero.engine.mtp_drafter import MTPDrafter
+
+        return MTPDrafter(engine, ids, first, max_new_tokens, K, rows, mode)
+    return None
 
 
 def stream_speculative(engine: "Engine", ids: list[list[int]], max_new_tokens: int, params: list[SamplingParams],
@@ -305,11 +353,8 @@ def stream_speculative(engine: "Engine", ids: list[list[int]], max_new_tokens: i
     lengths = np.array([len(r) for r in ids], np.int32)
     # Room for the drafts past the last kept token: a verify step writes K+1 positions.
     tok, lp, cache = engine._prefill_chunks(ids, lengths, max_new_tokens + K, rows, mode)
-    drafter = None
-    if spec.kind is DraftKind.DRAFT:
-        from dayzero.engine.draft_model import DraftModel
-
-        drafter = DraftModel(spec.draft, ids, np.asarray(tok), max_new_tokens, K, rows, mode, engine.config.vocab_size)
+    drafter = _drafter(engine, spec, ids, np.asarray(tok), max_new_tokens, rows, mode)
+    hidden = getattr(drafter, "wants_hidden", False)
     seqs = [np.array(r, np.int32) for r in ids]
     produced = np.zeros(B, np.int64)
     done = np.zeros(B, bool)
@@ -350,11 +395,11 @@ def stream_speculative(engine: "Engine", ids: list[list[int]], max_new_tokens: i
                 drafter.plain(~done, tok[:, 0])
             continue
         tokens = np.concatenate([last, drafts], axis=1)
-        t, l, accepted, cache = _verify(engine, tokens, active * (1 + num_drafts), rows,
-                                        produced.astype(np.int32), mode, cache, probs)
+        t, l, accepted, cache, states = _verify(engine, tokens, active * (1 + num_drafts), rows,
+                                                produced.astype(np.int32), mode, cache, probs, hidden)
         tok, lp, accepted = np.asarray(t), np.asarray(l), np.asarray(accepted)
         if drafter is not None:
-            drafter.advance(~done, drafts, accepted, tok[np.arange(B), accepted])
+            drafter.advance(~done, drafts, tok, accepted, states)
         for b in np.flatnonzero(~done):
             stats[b].accepted += int(accepted[b])
         counts = np.where(done, 0, accepted + 1)

@@ -32,20 +32,41 @@ def triton_calls(fn: Callable, *avals: jax.ShapeDtypeStruct) -> int:
     """Lower ``fn`` (jitted) for CUDA from abstract inputs ``avals`` and return how many
     Pallas Triton kernels it contains. Raises whatever the Triton lowering raises (e.g. a
     non-power-of-two load)."""
+    return len(_triton_call_params(_lowered_text(fn, *avals)))
+
+
+def _lowered_text(fn: Callable, *avals: jax.ShapeDtypeStruct) -> str:
+    """The StableHLO text of ``fn`` (jitted) exported for CUDA from ``avals``."""
     # Triton calls carry no serialization-compatibility guarantee; this export is never saved.
     exported = export.export(jax.jit(fn), platforms=["cuda"],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)])(*avals)
-    return exported.mlir_module().count(f"@{TRITON_CALL}")
+    return exported.mlir_module()
+
+
+# Each Triton custom call's backend config carries the launch parameters Pallas chose; its
+# serialized IR (a quoted string with escapes) is dropped first so nothing inside it can match.
+_CALL_IR = re.compile(r'\bir = "(?:[^"\\]|\\.)*"')
+_CALL_PARAM = re.compile(r"\b(grid_[xyz]|num_stages|num_warps) = (\d+) : i32")
+
+
+def _triton_call_params(text: str) -> list[dict[str, int]]:
+    """``num_warps``, ``num_stages`` and ``grid_x/y/z`` of each Triton call in lowered text."""
+    return [{key: int(value) for key, value in _CALL_PARAM.findall(_CALL_IR.sub("", line))}
+            for line in text.splitlines() if f"@{TRITON_CALL}(" in line]
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonModule:
-    """One Pallas Triton kernel as lowered: its Triton IR (MLIR text) and its operands in the
+    """One Pallas Triton kernel as lowered: its Triton IR (MLIR text), its operands in the
     order of the kernel function's pointer arguments ``%arg0, %arg1, ...`` (the pallas_call's
-    inputs, then its outputs)."""
+    inputs, then its outputs), and the launch parameters Pallas gave XLA for it (warps per
+    block, software-pipelining stages, grid)."""
 
     ir: str
     operands: tuple[jax.ShapeDtypeStruct, ...]
+    num_warps: int = 4
+    num_stages: int = 3
+    grid: tuple[int, int, int] = (1, 1, 1)
 
 
 @contextlib.contextmanager
@@ -76,10 +97,13 @@ def triton_modules(fn: Callable, *avals: jax.ShapeDtypeStruct) -> list[TritonMod
     it captured nothing)."""
     captured: list[TritonModule] = []
     with _capture_triton_modules(captured):
-        count = triton_calls(fn, *avals)
-    if len(captured) != count:
-        raise RuntimeError(f"lowered {count} Triton calls but captured {len(captured)} modules")
-    return captured
+        params = _triton_call_params(_lowered_text(fn, *avals))
+    if len(captured) != len(params):
+        raise RuntimeError(f"lowered {len(params)} Triton calls but captured {len(captured)} modules")
+    # Modules are captured in lowering order, which is the order of the calls in the text.
+    return [dataclasses.replace(module, num_warps=p["num_warps"], num_stages=p["num_stages"],
+                                grid=(p["grid_x"], p["grid_y"], p["grid_z"]))
+            for module, p in zip(captured, params)]
 
 
 _SPLAT = re.compile(r"^\s*(%[\w.#]+) = tt\.splat (%[\w.#]+) : !tt\.ptr<")

@@ -235,6 +235,50 @@ def masked_softmax(scores: jax.Array, mask: jax.Array, sinks: jax.Array | None =
     return jnp.where(mask, e / jnp.where(total > 0, total, 1.0)[..., None], 0.0)
 
 
+
+# Softmax statistics of one block of keys, for the references that read keys block by block
+# (``dayzero.model.transformer.attend``, ``dayzero.model.mla``): per query row the visible
+# score maximum m (-inf where no key is visible), l = sum_s exp(s - m) and the unnormalised
+# output o = sum_s exp(s - m) v_s, all fp32. Blocks merge exactly (:func:`merge_stats`), so
+# attention over many blocks never concatenates their scores.
+Stats = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def finite_or_zero(m: jax.Array) -> jax.Array:
+    """``m`` with -inf (no visible key) replaced by 0, so that exp(-inf - 0) = 0 and not NaN."""
+    return jnp.where(jnp.isfinite(m), m, 0.0)
+
+
+def masked_stats(scores: jax.Array, mask: jax.Array, value_product, reduce_max=lambda m: m) -> Stats:
+    """:data:`Stats` of fp32 ``scores`` [..., keys] where ``mask`` (broadcastable); the output
+    is ``value_product(p)`` of the weights p [..., keys] (0 where hidden). ``reduce_max`` makes
+    the maximum a shared one (e.g. across devices) before the exponentials are taken."""
+    scores = jnp.where(mask, scores, -jnp.inf)
+    m = reduce_max(jnp.max(scores, axis=-1))
+    p = jnp.exp(scores - finite_or_zero(m)[..., None])  # hidden keys: exp(-inf) = 0
+    return m, jnp.sum(p, axis=-1), value_product(p)
+
+
+def merge_stats(a: Stats, b: Stats) -> Stats:
+    """The :data:`Stats` of two blocks of keys together, each rescaled to the shared maximum."""
+    top = jnp.maximum(a[0], b[0])
+    merged_l, merged_o = 0.0, 0.0
+    for m, l, o in (a, b):
+        scale = jnp.exp(m - finite_or_zero(top))  # 0 for a block with no visible key
+        merged_l, merged_o = merged_l + l * scale, merged_o + o * scale[..., None]
+    return top, merged_l, merged_o
+
+
+def finish_stats(stats: Stats, sinks: jax.Array | None = None) -> jax.Array:
+    """The fp32 attention output o / l; zeros for a row that saw no key. ``sinks`` (fp32,
+    broadcastable to m; -inf means none) joins the denominator once, as a zero-valued key."""
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks, stats[0].shape)
+        stats = merge_stats(stats, (sinks, jnp.ones_like(sinks), jnp.zeros_like(stats[2])))
+    _, l, o = stats
+    return o / jnp.where(l > 0, l, 1.0)[..., None]
+
+
 # --- validation helpers (the per-op validators are built from these) ---
 
 

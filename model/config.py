@@ -428,8 +428,12 @@ class ModelConfig:
     mla: MLAConfig | None = None  # set iff attention is MLA; head_dim is then its rope_dim
     dsa: DSAConfig | None = None  # sparse attention over the latent rows (needs mla)
     # Multi-token-prediction modules stored after the last layer (DeepSeek-V3's
-    # num_nextn_predict_layers): plain decoding never runs them, the converter skips their tensors.
+    # num_nextn_predict_layers): plain decoding never runs them; the converter skips their tensors
+    # (DeepSeek-V4's it keeps, DeepSeek-V3's too where the source has them: ``mtp_kept``).
     mtp_layers: int = 0
+    # DeepSeek-V3's MTP modules are in the weights (``Weights.mtp``, ``dayzero.model.mtp``): the
+    # converter sets it when the source has their tensors; ``--speculative mtp`` drafts with them.
+    mtp_kept: bool = False
     compressed: CompressedConfig | None = None  # set iff attention is COMPRESSED (DeepSeek-V4)
     hyper: HyperConfig | None = None  # hyper-connection residual streams (None: one plain residual)
     # Linear-attention hybrids (Qwen3-Next, Qwen3.5, Kimi-Linear): which layers are linear and

@@ -42,6 +42,11 @@ read from the engine's own declarations, so the planner sizes what the engine wo
   (``Workload.prefill_shapes``: a full ``work.prefill_chunk`` over what the chunk budget lets it
   attend, and the last chunk of a context-long prompt, shrunk to the budget).
 
+For pipeline (``stage``) meshes the same weights and pools are also listed by decoder layer
+(``layer_weights``, ``layer_cache``: a leaf's layer from its path, a hybrid's attention pages and
+linear states mapped to their layers), the layer ranges and micro-batches are ``model.pipeline``'s
+own (``stage_split``), and what that pipeline does not run yet is ``pipeline_gap``.
+
 Every array is counted at the bytes per element the device holds (:func:`held_itemsize`): the
 4-bit types (int4 and MXFP4's float4_e2m1fn values) at half a byte, packed, not at their numpy
 itemsize of 1.
@@ -56,13 +61,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 
 from dayzero.kernels import KernelMode
-from dayzero.model import footprint_v4
+from dayzero.model import footprint_v4, pipeline
 from dayzero.model.config import ModelConfig
 from dayzero.model.footprint_steps import Step, step_collectives, step_stages
 from dayzero.model.mesh_check import mesh_refusal
@@ -71,6 +77,7 @@ from dayzero.model.quant import (AUTO, AUTO_KV, AUTO_WEIGHTS, KVQuant, QuantConf
                                  WeightQuant, parse_kv_quant, parse_weight_quant)
 from dayzero.model.weights import abstract_weights, is_spec_node, leaf_path, mesh_aligned_specs, parameter_count
 from dayzero.sharding.planner import Collective, Component, PlanError, Stage, Tensor, Workload
+from dayzero.sharding.planner_pipeline import FIRST, LAST, LayerSplit
 
 _ACCELERATORS = ("gpu", "tpu")
 # Weight schemes by how closely they keep the float values (block scales beat per-channel ones).
@@ -147,7 +154,7 @@ class DecodeFootprint:
         """Every weight leaf as the engine stores it on a mesh splitting each logical axis
         ``ways[axis]`` ways: values, and the scales of quantized projections."""
         s = storage(work)
-        return list(_weight_tensors(self.config, s.quant, s.dtype.name, tuple(sorted(ways.items()))))
+        return list(_weight_tensors(self.config, s.quant, s.dtype.name, _split_ways(tuple(sorted(ways.items())))))
 
     def cache(self, work: Workload, axes: Mapping[str, int]) -> list[Tensor]:
         """The serving engine's page pools (values and scales) holding ``work.batch`` rows of
@@ -156,11 +163,47 @@ class DecodeFootprint:
         s = storage(work)
         rows = -(-work.batch // int(axes.get("data", 1)))
         page = self.page_size(work)
-        if self.config.compressed is not None:  # DeepSeek-V4: its paged pool per replica (footprint_v4)
-            pool = _v4_pool_tensors(self.config, s.kv, s.dtype.name, rows, work.context, page)
-        else:
-            pool = _cache_tensors(self.config, s.kv, s.dtype.name, rows, work.context, page)
+        pool = _cache_tensors(self.config, s.kv, s.dtype.name, rows, work.context, page)  # V4's: footprint_v4
         return list(pool + _snapshot_tensors(self.config, s.kv, s.dtype.name, work.snapshot_rows(rows), page))
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers (what pipeline stages divide)."""
+        return self.config.num_layers
+
+    @property
+    def residual_width(self) -> int:
+        """Elements per token of the residual a pipeline stage hands to the next: D, or
+        DeepSeek-V4's n hyper-connection streams of D."""
+        hyper = getattr(self.config, "hyper", None)
+        return self.config.hidden_size * (hyper.mult if hyper is not None else 1)
+
+    def stage_split(self, stages: int, rows: int, wanted: int) -> tuple[tuple[range, ...], int]:
+        """The pipeline's layer ranges over ``stages`` stages and its micro-batches for ``rows``
+        rows when ``wanted`` are asked for, as ``model.pipeline`` makes them (``plan_stages``,
+        ``micro_batches``); raises MeshError for more stages than layers."""
+        return _stage_ranges(self.config, stages), pipeline.micro_batches(rows, wanted)
+
+    def pipeline_gap(self, work: Workload, axes: Mapping[str, int]) -> str | None:
+        """Why ``model.pipeline`` cannot run this stage mesh yet (``pipeline_refusal``; None: it
+        can, or no stages). The plan reports it beside the figures, which are the design's."""
+        s = storage(work)
+        return pipeline.pipeline_refusal(self.config, axes, kernels=s.kernels,
+                                         quantized=s.quant.weights is not WeightQuant.NONE,
+                                         kv_quantized=s.kv is not KVQuant.NONE)
+
+    def layer_weights(self, work: Workload, ways: Mapping[str, int]) -> LayerSplit:
+        """:meth:`weights` split by decoder layer, the embedding (and a vision tower) apart as the
+        first stage's and the final norm and head as the last's."""
+        s = storage(work)
+        return _layer_weights(self.config, s.quant, s.dtype.name, _split_ways(tuple(sorted(ways.items()))))
+
+    def layer_cache(self, work: Workload, axes: Mapping[str, int]) -> LayerSplit:
+        """:meth:`cache` (pools and state snapshots) split by decoder layer."""
+        s = storage(work)
+        rows = -(-work.batch // int(axes.get("data", 1)))
+        return _layer_cache(self.config, s.kv, s.dtype.name, rows, work.snapshot_rows(rows), work.context,
+                            self.page_size(work))
 
     def steps(self, work: Workload, axes: Mapping[str, int]) -> dict[str, list[Step]]:
         """The serving engine's steps on the reference path, one replica's (``data`` > 1 is
@@ -200,28 +243,41 @@ def _shape(st: Step) -> str:
 # the tensor lists are built once per distinct argument.
 @functools.lru_cache(maxsize=64)
 def _weight_tensors(config: ModelConfig, quant: QuantConfig, dtype: str, ways: tuple) -> tuple[Tensor, ...]:
+    return tuple(_tensors(_aligned_specs(config, quant, _split_ways(ways)), dtype, Component.WEIGHTS,
+                          Component.WEIGHT_SCALES))
+
+
+def _split_ways(ways: tuple) -> tuple:
+    """The logical axes a mesh splits (more than 1 way), ``stage`` left out: no weight leaf has
+    it (the pipeline stacks layers on it), so meshes differing only there share one layout."""
+    return tuple((a, n) for a, n in ways if n > 1 and a != "stage")
+
+
+@functools.lru_cache(maxsize=32)
+def _aligned_specs(config: ModelConfig, quant: QuantConfig, ways: tuple):
+    """The weight specs as the engine lays them out on a mesh splitting ``ways`` (``_split_ways``)."""
     specs = abstract_weights(config, quant)
-    if any(n > 1 for _, n in ways):
-        specs = mesh_aligned_specs(specs, dict(ways))  # as Engine lays quantized weights out on a mesh
-    return tuple(_tensors(specs, dtype, Component.WEIGHTS, Component.WEIGHT_SCALES))
+    return mesh_aligned_specs(specs, dict(ways)) if ways else specs  # as Engine lays quantized weights out
 
 
 @functools.lru_cache(maxsize=256)
 def _cache_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, context: int,
                    page_size: int) -> tuple[Tensor, ...]:
+    return _replica_pool(_pool_specs(config, kv, rows, context, page_size), dtype)
+
+
+def _pool_specs(config: ModelConfig, kv: KVQuant, rows: int, context: int, page_size: int):
+    """A replica's serving pool of ``rows`` rows as a spec tree, the host inputs (block tables,
+    lengths, ``rope_len``: module docstring) left out; DeepSeek-V4's from ``footprint_v4``."""
+    if config.compressed is not None:
+        return footprint_v4.pool_specs(config, rows, context, page_size, kv)
     per_row = -(-context // page_size)
     specs = paged_cache_specs(config, rows * per_row, page_size, batch=rows, table_width=per_row, kv_quant=kv,
                               state_slots=rows)
     if config.linear is not None:  # a hybrid: the attention layers' pages, and a state row per slot
-        pages = specs.attn.replace(block_tables=None, lengths=None, rope_len=None)  # host inputs (module docstring)
-        return _replica_pool(specs.replace(attn=pages, slots=None), dtype)
-    return _replica_pool(specs.replace(block_tables=None, lengths=None, rope_len=None), dtype)
-
-
-@functools.lru_cache(maxsize=256)
-def _v4_pool_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, context: int,
-                     page: int) -> tuple[Tensor, ...]:
-    return _replica_pool(footprint_v4.pool_specs(config, rows, context, page, kv), dtype)
+        pages = specs.attn.replace(block_tables=None, lengths=None, rope_len=None)
+        return specs.replace(attn=pages, slots=None)
+    return specs.replace(block_tables=None, lengths=None, rope_len=None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -229,35 +285,105 @@ def _snapshot_tensors(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, p
     """A replica's ``rows`` prefix-cache snapshot rows (``PagedSteps.snapshots``): the pool's
     per-slot states declared with ``rows`` slots (one page: the pages are not copied); none for
     a model without per-sequence states, or with no rows."""
+    specs = _snapshot_specs(config, kv, rows, page)
+    return () if specs is None else _replica_pool(specs, dtype, Component.STATE_SNAPSHOTS, Component.STATE_SNAPSHOTS)
+
+
+def _snapshot_specs(config: ModelConfig, kv: KVQuant, rows: int, page: int):
     if rows == 0 or (config.linear is None and config.compressed is None):
-        return ()
-    states = paged_cache_specs(config, 1, page, kv_quant=kv, state_slots=rows).slot_states
-    return _replica_pool(states, dtype, Component.STATE_SNAPSHOTS, Component.STATE_SNAPSHOTS)
+        return None
+    return paged_cache_specs(config, 1, page, kv_quant=kv, state_slots=rows).slot_states
 
 
 def _replica_pool(specs, dtype: str, values: Component = Component.KV_CACHE,
-                  scales: Component = Component.KV_SCALES) -> tuple[Tensor, ...]:
+                  scales: Component = Component.KV_SCALES, part=None) -> tuple:
     """A replica's pool (or snapshot rows) as tensors of ``values`` and ``scales``. Its per-slot
     rows (a hybrid's linear states, DeepSeek-V4's rings and compressor states, declared on
     ``batch``) are the replica's own: each replica lays its pool out on its ``tensor`` x
-    ``expert`` devices (``engine.replicas``), so ``batch`` does not split them again over ``data``."""
-    tensors = _tensors(specs, dtype, values, scales)
-    return tuple(dataclasses.replace(t, axes=tuple(None if a == "batch" else a for a in t.axes)) for t in tensors)
+    ``expert`` devices (``engine.replicas``), so ``batch`` does not split them again over ``data``.
+    With ``part``: ``(key, tensor)`` pairs, as :func:`_tensors` gives them."""
+    def own(t: Tensor) -> Tensor:
+        return dataclasses.replace(t, axes=tuple(None if a == "batch" else a for a in t.axes))
+
+    if part is None:
+        return tuple(own(t) for t in _tensors(specs, dtype, values, scales))
+    return tuple((k, own(t)) for k, t in _tensors(specs, dtype, values, scales, part))
 
 
-def _tensors(specs, dtype: str, values: Component, scales: Component) -> list[Tensor]:
+# ---- per decoder layer (pipeline stages) --------------------------------------------------------
+
+
+def _weight_part(name: str) -> int | str:
+    """Which pipeline part holds a weight leaf: its decoder layer, or the first stage (the
+    embedding, and a vision tower, which run before the first layer) or the last (the final
+    norm, the head, anything after the last layer)."""
+    match = re.match(r"layers/(\d+)/", name)
+    if match:
+        return int(match.group(1))
+    return FIRST if name.startswith(("embed", "vision/")) else LAST
+
+
+def _cache_part(config: ModelConfig, name: str) -> int:
+    """The decoder layer a pool or snapshot leaf belongs to. Pools are lists per layer; a
+    hybrid's attention pages (``attn/...``) count its attention layers only and its states
+    (``states/...``, snapshot rows) its linear layers only."""
+    match = re.search(r"(?:^|/)(\d+)(?:/|:|$)", name)
+    if match is None:
+        raise ValueError(f"cache leaf {name!r} has no layer index; the planner cannot place it on a pipeline stage")
+    i = int(match.group(1))
+    if config.linear is None:
+        return i
+    linear = name.startswith(("states/",)) or not name.startswith("attn/")
+    return [n for n, is_linear in enumerate(config.linear.layers) if is_linear == linear][i]
+
+
+@functools.lru_cache(maxsize=64)
+def _stage_ranges(config: ModelConfig, stages: int) -> tuple[range, ...]:
+    return tuple(range(a, b) for a, b in pipeline.plan_stages(abstract_weights(config), stages).ranges)
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_weights(config: ModelConfig, quant: QuantConfig, dtype: str, ways: tuple) -> LayerSplit:
+    specs = _aligned_specs(config, quant, ways)
+    return _split(config.num_layers, _tensors(specs, dtype, Component.WEIGHTS, Component.WEIGHT_SCALES, _weight_part))
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_cache(config: ModelConfig, kv: KVQuant, dtype: str, rows: int, snapshot_rows: int, context: int,
+                 page: int) -> LayerSplit:
+    part = functools.partial(_cache_part, config)
+    pairs = _replica_pool(_pool_specs(config, kv, rows, context, page), dtype, part=part)
+    snapshots = _snapshot_specs(config, kv, snapshot_rows, page)
+    if snapshots is not None:
+        pairs += _replica_pool(snapshots, dtype, Component.STATE_SNAPSHOTS, Component.STATE_SNAPSHOTS, part)
+    return _split(config.num_layers, pairs)
+
+
+def _split(num_layers: int, pairs) -> LayerSplit:
+    layers: list[list[Tensor]] = [[] for _ in range(num_layers)]
+    ends: dict[str, list[Tensor]] = {FIRST: [], LAST: []}
+    for key, t in pairs:
+        (ends[key] if isinstance(key, str) else layers[key]).append(t)
+    return LayerSplit(tuple(map(tuple, layers)), tuple(ends[FIRST]), tuple(ends[LAST]))
+
+
+def _tensors(specs, dtype: str, values: Component, scales: Component, part=None) -> list[Tensor]:
     """A spec tree's leaves as tensors: float leaves at ``dtype`` (or their fixed dtype), a
     quantized node as its stored values and its scale. Identical leaves (every layer's ``q``, ...)
-    become one tensor with a count: the planner sizes each distinct one once per mesh."""
+    become one tensor with a count: the planner sizes each distinct one once per mesh. With
+    ``part`` (a leaf name -> key), only leaves of the same key merge, and each tensor's key is
+    returned beside it (``(key, tensor)`` pairs)."""
     same: dict[tuple, list[Tensor]] = {}
     flat, _ = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_node)
     for path, node in flat:
         name = leaf_path(path)
+        key = None if part is None else part(name)
         pieces = ([_tensor(name, node.values, dtype, values), _tensor(name + ":scale", node.scale, dtype, scales)]
                   if isinstance(node, QuantizedArray) else [_tensor(name, node, dtype, values)])
         for t in pieces:
-            same.setdefault((t.shape, t.axes, t.itemsize, t.component), []).append(t)
-    return [dataclasses.replace(ts[0], count=len(ts)) for ts in same.values()]
+            same.setdefault((key, t.shape, t.axes, t.itemsize, t.component), []).append(t)
+    merged = [(k[0], dataclasses.replace(ts[0], count=len(ts))) for k, ts in same.items()]
+    return [t for _, t in merged] if part is None else merged
 
 
 # 4-bit element types. XLA packs them two to a byte on every platform, although ml_dtypes'

@@ -84,6 +84,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from dayzero.model.cache import KEY_BLOCK
 from dayzero.model.config import ModelConfig
 from dayzero.sharding.planner import Collective, Component, Op, Stage, Tensor
 
@@ -191,15 +192,17 @@ def _held(c: ModelConfig, st: Step) -> tuple[Tensor, ...]:
 
 
 def _gqa_attention(c: ModelConfig, st: Step) -> tuple[Tensor, ...]:
-    """Grouped-query attention (``transformer.attend``): scores [B,K,G*T,S+T] split by kv head;
+    """Grouped-query attention (``transformer.attend``): scores [B,K,G*T,W+T] split by kv head, W
+    the cached positions read at once (all S up to ``cache.KEY_BLOCK``, else one block);
     where ``tensor`` does not divide the kv heads (kept whole on every device), XLA splits the
     scores by query head instead ([B,K*G,T,S+T] over ``q_heads``, as the query projection is)."""
     B, T, S = st.B, st.T, st.S
     K, G = c.num_kv_heads, c.num_heads // c.num_kv_heads
+    width = min(S, KEY_BLOCK) + T  # a cache longer than one block is read a block at a time
     if K % st.tensor == 0:
-        scores = ((B, K, G * T, S + T), (None, "kv_heads", None, None))
+        scores = ((B, K, G * T, width), (None, "kv_heads", None, None))
     else:
-        scores = ((B, K * G, T, S + T), (None, "q_heads", None, None))
+        scores = ((B, K * G, T, width), (None, "q_heads", None, None))
     out = [_act("scores over cached and new positions", *scores, F32, SCORE_COPIES),
            _act("visibility mask", (B, T, S + T), (None, None, None), 1)]
     out += _gathered_pages(c, st)

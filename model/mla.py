@@ -34,7 +34,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from dayzero.kernels import tiles
 from dayzero.model import dsa
+from dayzero.model.cache import fold_blocks, read_block
 from dayzero.model.config import ModelConfig, RopeType
 from dayzero.model.norm import rms_norm
 from dayzero.model.kernel_attention import KernelLayer
@@ -98,17 +100,12 @@ def _per_head(mask: jax.Array, N: int) -> jax.Array:
     return jnp.broadcast_to(mask[:, :, None], (B, T, N, K)).reshape(B, T * N, K)
 
 
-# One block of keys as softmax statistics per flattened query: the score maximum m [B,M] (-inf
-# when no key is visible), l = sum_s exp(s - m) [B,M] and o = sum_s exp(s - m) row_s [B,M,C],
-# all fp32. Blocks merge exactly (``merge_blocks``), so attention over several blocks never
-# concatenates their scores, and a block split across devices merges with pmax/psum
+# One block of keys as softmax statistics per flattened query (``dayzero.kernels.tiles.Stats``):
+# m [B,M], l [B,M], o [B,M,C]. Blocks merge exactly (``merge_blocks``), so attention over several
+# blocks never concatenates their scores, and a block split across devices merges with pmax/psum
 # (``dayzero.model.mla_parallel``).
-Stats = tuple[jax.Array, jax.Array, jax.Array]
-
-
-def _finite(m: jax.Array) -> jax.Array:
-    # A query with no visible key has max -inf; shifting by 0 instead keeps exp() at 0, not NaN.
-    return jnp.where(jnp.isfinite(m), m, 0.0)
+Stats = tiles.Stats
+merge_blocks = tiles.merge_stats
 
 
 def block_stats(qf: jax.Array, rows: jax.Array, mask: jax.Array, heads: int,
@@ -118,28 +115,16 @@ def block_stats(qf: jax.Array, rows: jax.Array, mask: jax.Array, heads: int,
     before the exponentials are taken."""
     rows = dequantized(rows, qf.dtype)  # a quantized cache is read back here, per block
     scores = jnp.einsum("bmc,bsc->bms", qf, rows, preferred_element_type=jnp.float32)
-    scores = jnp.where(_per_head(mask, heads), scores, -jnp.inf)
-    m = reduce_max(jnp.max(scores, axis=-1))
-    p = jnp.exp(scores - _finite(m)[..., None])  # masked keys: exp(-inf) = 0
-    o = jnp.einsum("bms,bsc->bmc", p.astype(qf.dtype), rows, preferred_element_type=jnp.float32)
-    return m, jnp.sum(p, axis=-1), o
 
+    def values(p):
+        return jnp.einsum("bms,bsc->bmc", p.astype(qf.dtype), rows, preferred_element_type=jnp.float32)
 
-def merge_blocks(a: Stats, b: Stats) -> Stats:
-    """The statistics of two blocks of keys together, each rescaled to the shared maximum."""
-    top = jnp.maximum(a[0], b[0])
-    merged_l, merged_o = 0.0, 0.0
-    for m, l, o in (a, b):
-        scale = jnp.exp(m - _finite(top))  # 0 for a block with no visible key
-        merged_l, merged_o = merged_l + l * scale, merged_o + o * scale[..., None]
-    return top, merged_l, merged_o
+    return tiles.masked_stats(scores, _per_head(mask, heads), values, reduce_max)
 
 
 def normalised(stats: Stats, shape: tuple[int, ...], dtype) -> jax.Array:
     """The attention output o / l reshaped to ``shape``; zero for a query with no visible key."""
-    _, l, o = stats
-    out = o / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.astype(dtype).reshape(shape)
+    return tiles.finish_stats(stats).astype(dtype).reshape(shape)
 
 
 def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
@@ -152,16 +137,24 @@ def attend_latent(q: jax.Array, cache: jax.Array | None, new: jax.Array,
     The value product runs over all C columns and drops the rope ones afterwards: slicing the
     cache first would copy it, and the R extra columns cost only R/L more work.
 
-    The cached and the new keys are two blocks (``block_stats``) merged before one
-    normalisation, so the cache's scores are never copied into a concatenation with the new
-    ones; ``dayzero.model.mla_parallel`` computes the cached block split across devices.
+    The cached and the new keys are blocks (``block_stats``) merged before one normalisation,
+    so the cache's scores are never copied into a concatenation with the new ones. The cache is
+    read in blocks, only those holding a visible row (``cache.fold_blocks``): a decode step's
+    work follows the rows written, not the positions allocated. ``dayzero.model.mla_parallel``
+    computes the cached block split across devices.
     """
     B, T, N, C = q.shape
     qf = q.reshape(B, T * N, C)
     mask_cached, mask_new = masks
     stats = block_stats(qf, new, mask_new, N)
     if cache is not None:
-        stats = merge_blocks(block_stats(qf, cache, mask_cached, N), stats)
+        def cached_block(start, size, mask):  # the rows [start, start + size) and their mask
+            rows = dequantized(read_block(cache, start, size, 1), qf.dtype)
+            # Rows no query sees get weight 0, but 0 * NaN is NaN: zero whatever they hold.
+            return block_stats(qf, jnp.where(jnp.any(mask, axis=1)[..., None], rows, 0), mask, N)
+
+        empty = (jnp.full(qf.shape[:2], -jnp.inf), jnp.zeros(qf.shape[:2]), jnp.zeros(qf.shape, jnp.float32))
+        stats = merge_blocks(fold_blocks(mask_cached, cached_block, empty), stats)
     return normalised(stats, q.shape, q.dtype)
 
 

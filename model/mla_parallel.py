@@ -46,7 +46,7 @@ def attend_latent_split(par: Parallel, q: jax.Array, cache: jax.Array | None, ne
     mask_cached, mask_new = masks
     batch = par.placement.sharding(("batch",), (B,)).spec[0]  # rows may be split over ``data``
     cached = jax.shard_map(
-        functools.partial(_local_stats, axis=axis, heads=N), mesh=par.placement.mesh,
+        functools.partial(_local_stats, axis=axis, heads=N), mesh=par.shard_mesh(),
         in_specs=(P(batch), P(batch, axis), P(batch, None, axis)), out_specs=P(batch),
     )(qf, cache, mask_cached)
     return normalised(merge_blocks(cached, block_stats(qf, new, mask_new, N)), q.shape, q.dtype)

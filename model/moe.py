@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from dayzero.model.config import MoEConfig, RouterScore
 from dayzero.model.quant import QuantizedArray, dequantized
+from dayzero.model.quant_matmul import linear
 from dayzero.model.weights import MoEWeights
 
 
@@ -204,11 +205,10 @@ def swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, act: M
     the MoE block's config, whose gating variant (:func:`gated`) its experts use; ``biases``:
     (gate [F], up [F], down [D]) added after each projection (gpt-oss's experts).
     """
-    gate, up, down = (dequantized(w, x.dtype) for w in (gate, up, down))
-    g, u = x @ gate, x @ up
+    g, u = linear(x, gate), linear(x, up)
     if biases is not None:
         g, u = g + biases[0], u + biases[1]
-    y = gated(g, u, act) @ down
+    y = linear(gated(g, u, act), down)
     return y if biases is None else y + biases[2]
 
 

@@ -451,7 +451,7 @@ def moe_expert_parallel(w: MoEWeights, config: MoEConfig, x: jax.Array, par: Par
         impl=par.impl, exchange_kind=resolve_exchange(par.exchange), with_stats=with_stats,
     )
     result = jax.shard_map(
-        body, mesh=par.placement.mesh,
+        body, mesh=par.shard_mesh(),
         in_specs=(P(axis), P(axis), None if ids is None else P(axis), specs),
         out_specs=(P(axis), P()) if with_stats else P(axis),
         # The shared grouped SwiGLU starts its loops from fresh zeros, which the varying-axes
@@ -487,7 +487,7 @@ def dispatch_stats(router: jax.Array, score_bias: jax.Array | None, config: MoEC
                       row_bytes=D * rows.dtype.itemsize)
 
     spec = lambda b: None if b is None else P()  # noqa: E731
-    return jax.shard_map(body, mesh=par.placement.mesh,
+    return jax.shard_map(body, mesh=par.shard_mesh(),
                          in_specs=(P(axis), P(axis), None if ids is None else P(axis), P(), spec(score_bias),
                                    spec(router_bias), spec(tid2eid)),
                          out_specs=P(), check_vma=False)(rows, valid, ids, router, score_bias, router_bias, tid2eid)

@@ -10,6 +10,10 @@ by hand inside ``jax.shard_map``, and take a :class:`Parallel` to do so:
 - multi-head latent attention, when the rules split ``latent_seq`` (the latent cache's
   positions): each device attends over its own slice of the cache and the partial softmaxes are
   merged (``dayzero.model.mla_parallel``), so the cache is never gathered.
+
+Pipeline parallelism (``dayzero.model.pipeline``) runs whole stages inside a ``shard_map`` manual
+over ``stage``; the blocks above then nest their own ``shard_map`` in it, over
+:meth:`Parallel.shard_mesh`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+
+import jax
+from jax.sharding import AbstractMesh, Mesh
 
 from dayzero.sharding.placement import Placement
 
@@ -59,3 +66,12 @@ class Parallel:
         if self.capacity_factor is None:
             return worst
         return max(1, min(worst, math.ceil(self.capacity_factor * worst / self.size("experts"))))
+
+    def shard_mesh(self) -> Mesh | AbstractMesh:
+        """The mesh a hand-written block passes to ``jax.shard_map``: the placement's, or inside a
+        pipeline stage (a ``shard_map`` already manual over ``stage``) the context's abstract mesh,
+        which jax requires of a nested ``shard_map`` (the remaining axes become manual there)."""
+        context = jax.sharding.get_abstract_mesh()
+        if not context.empty and context.manual_axes:
+            return context
+        return self.placement.mesh

@@ -34,12 +34,17 @@ times a power of two) except where XLA:CPU flushes subnormals to zero: scale byt
 itself subnormal) and results below 2^-126 of byte 1, an error of at most 6 x 2^-127; real
 checkpoints use byte 0 for all-zero blocks at most.
 
-Forward code reads every weight and cached array through :func:`dequantized`, which returns the
-compute-dtype array (a plain array is only cast). Dequantizing right before the contraction is
-what XLA:GPU/TPU fuse into the matmul's operand read. XLA:CPU does not (measured on SmolLM2 shapes,
+Forward code reads every cached array through :func:`dequantized`, which returns the
+compute-dtype array (a plain array is only cast), and applies every projection weight through
+``dayzero.model.quant_matmul.linear``. Dequantizing right before the contraction is what
+XLA:GPU/TPU fuse into the matmul's operand read. XLA:CPU does not (measured on SmolLM2 shapes,
 one decode matvec: [576 x 1536] 0.08 ms fp32 against 0.18 ms int8; [576 x 49152] 4.7 ms against
-38-63 ms; its int8 x int8 and bf16 dots were as slow), so on CPU quantization saves memory, not
-time, and ``auto`` picks no quantization there (see :data:`AUTO_WEIGHTS`).
+38-63 ms; its int8 x int8 and bf16 dots were as slow): there ``linear`` runs a decode step's
+product as a scan over tiles of rows, each dequantized while it is in cache, which brings int8 to
+about fp32's speed (see that module and :data:`AUTO_WEIGHTS`). XLA:CPU converts int4 and fp8 to
+fp32 ~10x slower than int8 (the [576 x 49152] matvec, one row tile at a time: int4 100-180 ms,
+fp8 150-230 ms, int8 6-8 ms, fp32 11-23 ms, on a loaded 2-core host), so those formats still
+cost time on CPU.
 
 Why not Google's qwix: its core ``QArray`` (qvalue, scale, static qtype) is close to this type, but
 (a) its scale tiles must divide every dimension, so DeepSeek's partial 128 x 128 blocks would need
@@ -98,7 +103,9 @@ class WeightQuant(enum.Enum):
 
     Applied to the projections of attention (q/k/v/o, MLA's q/kv LoRA and up-projections), dense
     MLPs, shared and routed experts; never to norms, biases, routers, the DSA indexer, the
-    embedding or the output head (see ``weights.ParamSpec.in_axes``).
+    embedding or a checkpoint's output head (see ``weights.ParamSpec.in_axes``). The CPU engine's
+    [D,V] head copy of a tied embedding is int8 under int8 and int4
+    (``dayzero.engine.runtime.TIED_HEAD_FORMAT``).
     """
 
     NONE = "none"
@@ -127,12 +134,18 @@ FP8_BLOCK = (128, 128)  # [in, out] block of fp8-block when the source does not 
 MXFP4_BLOCK = (32, 1)  # [in, out] block of MXFP4: one scale per 32 inputs of each output (OCP MX)
 
 # What "auto" means per platform (jax.default_backend()), chosen from measurements. On CPU
-# (bench/quant.py, SmolLM2-135M, 128-token prompt, one shared 2-core run) fp32 decoded 19.3 tok/s,
-# int8 weights 3.5, fp8 6.2, fp8-block 4.9, bf16 1.3: XLA:CPU materialises the dequantized weight
-# instead of fusing it into the matmul. An int8 / fp8 KV cache was as fast as fp32 at that length,
-# but at a 2000-token prompt decoded 15.2 / 6.2 tok/s against 23.6 (the whole cache is converted
-# each step). So auto keeps fp32 weights and cache on CPU: quantization there buys memory only.
-# GPU/TPU have not been measured yet; until they are, auto does not quantize there either.
+# (bench/quant.py, SmolLM2-135M, 128-token prompt, 2 shared cores): before the tiled matvec
+# (dayzero.model.quant_matmul) fp32 decoded 19.3 tok/s, int8 weights 3.5, fp8 6.2, fp8-block 4.9,
+# bf16 1.3, because XLA:CPU materialises the dequantized weight. With it (and an int8 copy of the
+# tied output head), one run: fp32 29.3 tok/s, int8 26.7 (0.91x; KL mean 3.7e-3, max 2.7e-2,
+# greedy agreement and prefix 1.0), llama.cpp q8_0 12.2 and q4_0 17.9 on the same host under
+# load; a bare decode step measured 42.6 ms fp32 against 25.9 ms int8 in another. int8 is at
+# best even with fp32, not reliably faster, and fp8/int4 convert ~10x slower than int8 on
+# XLA:CPU, so auto keeps fp32 weights on CPU: quantization there buys memory (a quarter of the
+# weight bytes), not time. An int8 / fp8 KV cache was as fast as fp32 at 128 tokens, but at a
+# 2000-token prompt decoded 15.2 / 6.2 tok/s against 23.6 (the whole cache is converted each
+# step), so auto keeps the fp32 cache too. GPU/TPU have not been measured yet; until they are,
+# auto does not quantize there either.
 AUTO_WEIGHTS = {"cpu": WeightQuant.NONE}
 AUTO_KV = {"cpu": KVQuant.NONE}
 

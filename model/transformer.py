@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.model import hyper
-from dayzero.model.cache import CacheView, NewKV, NewLatent
+from dayzero.model.cache import CacheView, NewKV, NewLatent, fold_blocks, read_block
 from dayzero.model.compressed import CompressedFrame, compressed_block
 from dayzero.model.compressed_cache import NewCompressed
 from dayzero.model.config import AttentionKind, CompressKind, ModelConfig
@@ -34,10 +34,12 @@ from dayzero.model.moe_parallel import moe_expert_parallel
 from dayzero.model.mrope import ImageInput
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
+from dayzero.model.offload import stream_layer
 from dayzero.kernels import KernelMode
-from dayzero.kernels.tiles import masked_softmax
+from dayzero.kernels.tiles import Stats, finish_stats, masked_stats, merge_stats
 from dayzero.model.kernel_attention import HeadSplit, KernelLayer, NewTokensLayer, PagedKernelCache
-from dayzero.model.quant import as_stored, dequantized
+from dayzero.model.quant import QuantizedArray, as_stored, dequantized
+from dayzero.model.quant_matmul import linear
 from dayzero.model.rope import apply_rope, rope_cos_sin
 from dayzero.model.compressed_weights import HyperWeights
 from dayzero.model.weights import AttentionWeights, LayerWeights, MLPWeights, MoEWeights, Weights
@@ -77,8 +79,8 @@ def attention_masks(
 
 def attend(
     q: jax.Array,
-    k_cache: jax.Array | None,
-    v_cache: jax.Array | None,
+    k_cache: jax.Array | QuantizedArray | None,
+    v_cache: jax.Array | QuantizedArray | None,
     k_new: jax.Array,
     v_new: jax.Array,
     masks: tuple[jax.Array | None, jax.Array],
@@ -87,13 +89,17 @@ def attend(
 ) -> jax.Array:
     """Grouped-query softmax attention of the new queries over cached and new keys -> [B,T,N,H].
 
-    q, k_new, v_new [B,T,*,H]; k_cache [B,K,H,S], v_cache [B,K,S,H] (the cache layouts): the
-    cache as it was before this call (None: nothing cached), the new keys and values beside it.
-    ``keys_token_major``: k_cache is [B,K,S,H] instead (a paged cache's gathered view, where
-    transposing each step's gathered keys would cost more than the slower score product).
-    ``sinks`` [N] (gpt-oss): one more logit per query head in the softmax's denominator, a key
-    whose value is zero (the softmax of ``dayzero.kernels.tiles.masked_softmax``, as the
-    kernels' references take it).
+    q, k_new, v_new [B,T,*,H]; k_cache [B,K,H,S], v_cache [B,K,S,H] (the cache layouts, plain or
+    quantized): the cache as it was before this call (None: nothing cached), the new keys and
+    values beside it. ``keys_token_major``: k_cache is [B,K,S,H] instead (a paged cache's
+    gathered view, where transposing each step's gathered keys would cost more than the slower
+    score product). ``sinks`` [N] (gpt-oss): one more logit per query head in the softmax's
+    denominator, a key whose value is zero (as the kernels' references take it).
+
+    The cache is read in blocks (``cache.fold_blocks``), only from the first to the last
+    position any query may see, each block dequantized as it is read, with an online softmax
+    (``dayzero.kernels.tiles.Stats``) merging the blocks and the new keys: a decode step's work
+    follows the positions written so far, not the positions allocated.
     """
     B, T, N, H = q.shape
     K = k_new.shape[2]
@@ -102,24 +108,41 @@ def attend(
     # (batch B,K; rows G*T), which XLA:CPU runs without relayouting the cache.
     qg = (q * (H**-0.5)).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     mask_cached, mask_new = masks  # [B, T, S], [B, T, T]
-    scores = jnp.einsum("bkmh,bjkh->bkmj", qg, k_new, preferred_element_type=jnp.float32)
-    mask = mask_new
+    stats = _key_stats(qg, k_new, v_new, mask_new, "bskh", "bskh")
     if k_cache is not None:
         keys = "bksh" if keys_token_major else "bkhs"
-        s_cached = jnp.einsum(f"bkmh,{keys}->bkms", qg, k_cache, preferred_element_type=jnp.float32)
-        scores = jnp.concatenate([s_cached, scores], axis=-1)
-        mask = jnp.concatenate([mask_cached, mask_new], axis=-1)
-    # Broadcast the [B, T, keys] mask over K and G, in the [B, K, G*T, keys] order of scores.
-    mask = jnp.broadcast_to(mask[:, None, None], (B, 1, G) + mask.shape[1:]).reshape(B, 1, G * T, -1)
+
+        def cached_block(start, size, mask):  # positions [start, start + size) and their mask
+            k = dequantized(read_block(k_cache, start, size, 2 if keys_token_major else 3), q.dtype)
+            v = dequantized(read_block(v_cache, start, size, 2), q.dtype)
+            # Positions no query sees get weight 0, but 0 * NaN is NaN: zero whatever they hold.
+            v = jnp.where(jnp.any(mask, axis=1)[:, None, :, None], v, 0)
+            return _key_stats(qg, k, v, mask, keys, "bksh")
+
+        empty = (jnp.full(qg.shape[:3], -jnp.inf), jnp.zeros(qg.shape[:3]), jnp.zeros(qg.shape, jnp.float32))
+        stats = merge_stats(fold_blocks(mask_cached, cached_block, empty), stats)
     if sinks is not None:  # [N] -> [1, K, G*T], each query row its head's sink
         sinks = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(K, G, 1), (K, G, T)).reshape(1, K, G * T)
     # A query with no visible key (padding of an empty row) gets zeros, not NaN.
-    probs = masked_softmax(scores, mask, sinks).astype(v_new.dtype)
-    S = 0 if v_cache is None else v_cache.shape[2]
-    out = jnp.einsum("bkmj,bjkh->bkmh", probs[..., S:], v_new)
-    if v_cache is not None:
-        out += jnp.einsum("bkms,bksh->bkmh", probs[..., :S], v_cache.astype(v_new.dtype))
+    out = finish_stats(stats, sinks).astype(v_new.dtype)
     return out.reshape(B, K, G, T, H).transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
+
+
+def _key_stats(qg: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array, key_spec: str,
+               value_spec: str) -> Stats:
+    """Softmax statistics of queries ``qg`` [B,K,G*T,H] over one block of keys and values (laid
+    out as the einsum specs ``key_spec``/``value_spec`` over b,k,s,h say) under ``mask`` [B,T,S]."""
+    B, K, M, _ = qg.shape
+    T = mask.shape[1]
+    scores = jnp.einsum(f"bkmh,{key_spec}->bkms", qg, keys, preferred_element_type=jnp.float32)
+    # Broadcast the [B, T, keys] mask over K and G, in the [B, K, G*T, keys] order of scores.
+    mask = jnp.broadcast_to(mask[:, None, None], (B, 1, M // T) + mask.shape[1:]).reshape(B, 1, M, -1)
+
+    def value_product(p):
+        return jnp.einsum(f"bkms,{value_spec}->bkmh", p.astype(values.dtype), values,
+                          preferred_element_type=jnp.float32)
+
+    return masked_stats(scores, mask, value_product)
 
 
 def attention_block(
@@ -139,9 +162,7 @@ def attention_block(
     A kernel layer (``dayzero.model.kernel_attention``) attends on the kernels instead: over the
     new keys only (a first prefill), or over its pages, written first, whose written (key pages,
     value pages) are then returned in place of the new keys/values."""
-    q = jnp.einsum("btd,dnh->btnh", x, dequantized(w.q, x.dtype))
-    k = jnp.einsum("btd,dkh->btkh", x, dequantized(w.k, x.dtype))
-    v = jnp.einsum("btd,dkh->btkh", x, dequantized(w.v, x.dtype))
+    q, k, v = linear(x, w.q), linear(x, w.k), linear(x, w.v)
     if w.q_bias is not None:
         q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
     if w.q_norm is not None:
@@ -157,15 +178,14 @@ def attention_block(
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
         # The new keys/values as the cache will hold them (quantized round trip), read beside it.
         k_read, v_read = as_stored(k, k_cache), as_stored(v, v_cache)
-        if k_cache is not None:
-            k_cache, v_cache = dequantized(k_cache, q.dtype), dequantized(v_cache, q.dtype)
+        # A quantized cache goes in as stored: attend dequantizes each block it reads.
         out, new = attend(q, k_cache, v_cache, k_read, v_read, masks, keys_token_major, w.sinks), (k, v)
     # Contract over the flattened N*H axis: a reshape of w.o is free, an einsum over (n, h)
     # makes XLA:CPU transpose w.o on every call.
     B, T, N, H = out.shape
     if w.gate is not None:  # Qwen3-Next's output gate, per head and dim
-        out = out * jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, dequantized(w.gate, x.dtype)))
-    out = jnp.einsum("bte,ed->btd", out.reshape(B, T, N * H), dequantized(w.o, x.dtype).reshape(N * H, -1))
+        out = out * jax.nn.sigmoid(linear(x, w.gate))
+    out = linear(out.reshape(B, T, N * H), w.o, n_in=2)
     if w.o_bias is not None:
         out = out + w.o_bias
     return out, new
@@ -242,7 +262,7 @@ def output_logits(weights: Weights, x: jax.Array) -> jax.Array:
     """Project hidden states [B,T,D] to fp32 vocabulary logits [B,T,V]."""
     if weights.lm_head is None:
         return jnp.einsum("btd,vd->btv", x, weights.embed, preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", x, weights.lm_head, preferred_element_type=jnp.float32)
+    return linear(x, weights.lm_head, out_dtype=jnp.float32)
 
 
 def forward(
@@ -310,7 +330,9 @@ def forward(
     linear_kernels = kernels if cache is None else getattr(attn_view, "mode", KernelMode.REFERENCE)
     new = []  # per layer, what it adds to the cache
     picks = None  # sparse attention's last picks, which GLM-5's shared layers reuse
+    ahead = None  # offloaded layers (dayzero.model.offload): the next layer's weights, in flight
     for i, layer in enumerate(weights.layers):
+        layer, ahead = stream_layer(weights.layers, i, x, ahead)
         layer_masks = masks[config.sliding_windows[i]]
         linear = config.is_linear_layer(i)
         if cache is not None:

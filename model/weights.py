@@ -165,9 +165,10 @@ class Weights:
     final_norm: Any  # [D]
     lm_head: Any = None  # [D,V]
     hc_head: Any = None  # compressed_weights.HyperWeights: the streams' collapse before final_norm
-    # DeepSeek-V4's MTP modules (config.mtp_layers of them), loaded and kept, not run; None for
-    # every other family, whose MTP tensors the converter skips.
-    mtp: Any = None  # tuple of compressed_weights.MTPWeights
+    # The MTP modules (config.mtp_layers of them): DeepSeek-V4's (compressed_weights.MTPWeights),
+    # loaded and kept, not run; DeepSeek-V3's (mtp.NextNWeights) where the checkpoint has them
+    # (config.mtp_kept), run by the MTP drafter. None otherwise: the converter skips the tensors.
+    mtp: Any = None
     vision: Any = None  # vision_weights.VisionWeights: the vision tower (config.vision), else None
 
 
@@ -312,6 +313,7 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
     :class:`QuantizedArray` of a values spec and a scale spec at each quantized projection."""
     from dayzero.model.compressed_weights import hyper_specs, mtp_specs
     from dayzero.model.hf_config_vision_kimi import KimiVisionConfig
+    from dayzero.model.mtp import nextn_specs
     from dayzero.model.vision_kimi_weights import kimi_vision_specs
     from dayzero.model.vision_weights import vision_specs
 
@@ -322,7 +324,7 @@ def abstract_weights(config: ModelConfig, quant: QuantConfig | None = None) -> W
         final_norm=ParamSpec((D,), ("embed",), norm_init(config)),
         lm_head=None if config.tie_word_embeddings else ParamSpec((D, V), ("embed", "vocab")),
         hc_head=None if config.hyper is None else hyper_specs(config, config.hyper.mult, 1),
-        mtp=mtp_specs(config),
+        mtp=mtp_specs(config) or nextn_specs(config),
         vision=None if config.vision is None else
         (kimi_vision_specs if isinstance(config.vision, KimiVisionConfig) else vision_specs)(config.vision),
     )

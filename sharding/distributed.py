@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import numpy as np
 
-MESH_AXES = ("data", "tensor", "expert")
+MESH_AXES = ("data", "tensor", "expert", "stage")
 INIT_TIMEOUT_S = 120
 HEARTBEAT_TIMEOUT_S = 20
 SHUTDOWN_TIMEOUT_S = 30

@@ -14,6 +14,10 @@ none (or no ``--mesh``)         no placement: one device   nothing (today's sing
 ``tensor``)                                                parallel within
 ``data`` and ``expert``         refused                    (no rules table for it yet)
 ==============================  =========================  ====================================
+
+``stage`` (pipeline parallelism) composes with every row: each table maps the logical ``stage``
+axis (the leading axis of pipeline-stacked layers, ``dayzero.model.pipeline``) to the ``stage``
+mesh axis, and the rest of the table applies within a stage.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dayzero.sharding.distributed import MESH_AXES, MeshError, parse_mesh
 
 def rules_for_mesh(axes: Mapping[str, int]) -> R.Rules:
     """The rules strategy for a mesh with these axis sizes (table in the module docstring)."""
-    data, tensor, expert = (int(axes.get(a, 1)) for a in MESH_AXES)
+    data, tensor, expert = (int(axes.get(a, 1)) for a in ("data", "tensor", "expert"))
     if data > 1 and expert > 1:
         raise MeshError(
             f"mesh data={data} x expert={expert} is not supported; use data x tensor for dense "

@@ -17,32 +17,42 @@ serving engine would use, and whether the engine runs the model on a mesh at all
 the engine's own check). This
 package imports nothing from ``dayzero.model`` (see DESIGN.md), so the footprint is passed in.
 
-Mesh choice (:func:`plan`): every data x tensor x expert factorisation of the device count whose
-data size divides the batch is evaluated with the rules the engine uses on it
-(``dayzero.sharding.placement.rules_for_mesh``). A mesh the engine refuses keeps its reason in
+Mesh choice (:func:`plan`): every stage x data x tensor x expert factorisation of the device
+count whose data size divides the batch is evaluated with the rules the engine uses on it
+(``dayzero.sharding.placement.rules_for_mesh``); a ``stage`` mesh as its largest pipeline stage,
+with its bubble and the residuals it hands across stage boundaries, and every mesh with its
+host-memory tier when one is given (``dayzero.sharding.planner_pipeline``). A mesh the engine refuses keeps its reason in
 ``refused`` and is never recommended; among the rest :data:`RULE` decides.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
-import re
 from typing import Mapping, Protocol
-
-import numpy as np
 
 from dayzero.sharding import rules as R
 from dayzero.sharding.distributed import MESH_AXES, MeshError
 from dayzero.sharding.placement import rules_for_mesh
+from dayzero.sharding.plan_units import (  # the planner's units, re-exported (``__all__``)
+    Collective, Component, Op, PlanError, Stage, Tensor, collective_bytes, device_bytes, format_size, group_size,
+    local_shape, logical_ways, parse_size, spans_hosts)
+from dayzero.sharding.planner_pipeline import HOST_BANDWIDTH, HostTier, LayerSplit, Pipeline, bubble_fraction, \
+    mesh_host_tier
+
+__all__ = ["Collective", "Component", "Footprint", "HostTier", "LayerSplit", "MeshPlan", "Op", "Plan", "PlanError",
+           "Stage", "Tensor", "Workload", "candidate_meshes", "collective_bytes", "device_bytes", "evaluate",
+           "format_size", "group_size", "local_shape", "logical_ways", "parse_size", "plan", "spans_hosts"]
 
 RULE = (
     "among meshes the engine runs and that fit: tensor groups inside one host first (tensor "
-    "parallelism all-reduces every layer), then the most data parallelism the batch allows "
-    "(replicas never talk), then the fewest bytes crossing hosts per decode step (then per "
-    "prefill chunk), then the most free memory per device; when none fits, the runnable mesh "
-    "closest to fitting"
+    "parallelism all-reduces every layer), then the smallest pipeline bubble (none without "
+    "stages: a pipeline only where nothing else fits, with the fewest stages that do), then the "
+    "most data parallelism the batch allows (replicas never talk), then the fewest bytes crossing "
+    "hosts per decode step (then per prefill chunk), then the most free memory per device; a "
+    "pipeline the engine's stages do not run yet for this model comes after every mesh that "
+    "runs; then meshes that fit with weights offloaded to --host-memory (least streaming time per "
+    "step first); when none fits, the runnable mesh closest to fitting"
 )
 
 GiB = 1 << 30
@@ -52,73 +62,6 @@ SNAPSHOTS_PER_SLOT = 4
 DTYPES = {"bfloat16": 2, "float32": 4}  # compute / float-weight dtypes a plan may name
 STEPS = ("decode", "prefill")
 
-
-class PlanError(ValueError):
-    """A planner input that cannot be planned (bad size, dtype, preset, mesh)."""
-
-
-class Component(enum.Enum):
-    """What a tensor is, for the per-component totals."""
-
-    WEIGHTS = "weights"
-    WEIGHT_SCALES = "weight_scales"
-    KV_CACHE = "kv_cache"
-    KV_SCALES = "kv_scales"
-    STATE_SNAPSHOTS = "state_snapshots"  # the prefix cache's copies of per-sequence states (values and scales)
-    ACTIVATIONS = "activations"
-
-
-class Op(enum.Enum):
-    """Collective operations, by what each device sends."""
-
-    ALL_REDUCE = "all_reduce"  # ring: 2(n-1)/n of the buffer
-    ALL_GATHER = "all_gather"  # ring: (n-1)/n of the gathered result
-    ALL_TO_ALL = "all_to_all"  # the buffer times the share sent off-device
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One array (or ``count`` identical ones) as declared: global shape and logical axes.
-    ``itemsize``: bytes per element as the device holds it, 0.5 for a 4-bit type (XLA packs two
-    to a byte; the footprint says why), so a piece's bytes are rounded up per array."""
-
-    name: str
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    itemsize: float
-    component: Component
-    count: int = 1
-
-    def __post_init__(self):
-        if len(self.shape) != len(self.axes):
-            raise ValueError(f"{self.name}: shape {self.shape} and axes {self.axes} differ in rank")
-
-
-@dataclasses.dataclass(frozen=True)
-class Stage:
-    """A point of a step and the transient tensors live there together."""
-
-    name: str
-    tensors: tuple[Tensor, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective of a step (``count`` times): ``op`` over the devices that split the logical
-    axis ``over`` (a dimension of ``size``; none when the rules leave it whole). ``shape``/``axes``:
-    the buffer on a device of that group (all-reduce: what it reduces; all-gather: the gathered
-    result; all-to-all: what it sends in one direction, of which ``share`` leaves the device,
-    None for the (n-1)/n of uniform traffic)."""
-
-    name: str
-    op: Op
-    over: str
-    size: int
-    shape: tuple[int, ...]
-    axes: tuple[str | None, ...]
-    itemsize: int
-    count: int = 1
-    share: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +97,12 @@ class Workload:
     # linear layers, DeepSeek-V4's rings and compressor states): ``ServingConfig.state_snapshots``;
     # None for its default, SNAPSHOTS_PER_SLOT per planned row (:meth:`snapshot_rows`); 0: none.
     state_snapshots: int | None = None
+    # Host tiers (``planner_pipeline``): host memory per host (None: none planned) and the bytes
+    # per second a device's host link moves; micro-batches of a pipeline's decode step (None:
+    # ``planner_pipeline.default_micro_batches``).
+    host_memory: int | None = None
+    host_bandwidth: float = HOST_BANDWIDTH
+    micro_batches: int | None = None
 
     def __post_init__(self):
         for name in ("quantize", "kv_cache", "dtype", "kernels"):  # enums given: their spelling
@@ -163,6 +112,11 @@ class Workload:
                      "page_size"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("host_memory", "micro_batches"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise PlanError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.host_bandwidth > 0:
+            raise PlanError(f"host_bandwidth must be positive (bytes per second), got {self.host_bandwidth}")
         if self.state_snapshots is not None and self.state_snapshots < 0:
             raise PlanError(f"state_snapshots must be at least 0 (0: none), got {self.state_snapshots}")
         if not 0 <= self.reserve < 1:
@@ -241,58 +195,19 @@ class Footprint(Protocol):
     def collectives(self, work: Workload, axes: Mapping[str, int]) -> dict[str, list[Collective]]:
         """The collectives of one step, per step (``decode``, ``prefill``)."""
 
+    # For pipeline (``stage``) meshes; a footprint without them is planned without stages.
+    num_layers: int  # decoder layers
+    residual_width: int  # elements per token a stage hands the next
 
-class _MeshShape:
-    """Just the ``shape`` mapping ``spec_for`` reads: no devices needed."""
+    def layer_weights(self, work: Workload, ways: Mapping[str, int]) -> LayerSplit:
+        """:meth:`weights` by decoder layer (and the first and last stages' own)."""
 
-    def __init__(self, axes: Mapping[str, int]):
-        self.shape = {a: int(axes.get(a, 1)) for a in MESH_AXES}
+    def layer_cache(self, work: Workload, axes: Mapping[str, int]) -> LayerSplit:
+        """:meth:`cache` by decoder layer."""
 
+    def stage_split(self, stages: int, rows: int, wanted: int) -> tuple[tuple[range, ...], int]:
+        """Layer ranges of ``stages`` stages and the micro-batches of ``rows`` rows (``wanted`` asked)."""
 
-def local_shape(t: Tensor | Collective, rules: R.Rules, axes: Mapping[str, int]) -> tuple[int, ...]:
-    """The shape of ``t``'s piece on one device."""
-    mesh = _MeshShape(axes)
-    spec = R.spec_for(t.axes, rules, mesh, t.shape)
-    return tuple(d // (mesh.shape[m] if m else 1) for d, m in zip(t.shape, spec))
-
-
-def device_bytes(t: Tensor, rules: R.Rules, axes: Mapping[str, int]) -> int:
-    """Bytes of ``t`` (all ``count`` copies) on one device (a 4-bit piece rounded up to whole bytes)."""
-    return t.count * math.ceil(math.prod(local_shape(t, rules, axes)) * t.itemsize)
-
-
-def logical_ways(rules: R.Rules, axes: Mapping[str, int]) -> dict[str, int]:
-    """How many ways the mesh splits each logical axis (its mesh axis's size; 1 when whole)."""
-    return {a: int(axes.get(rules.mesh_axis(a), 1)) if rules.mesh_axis(a) else 1 for a in R.LOGICAL_AXES}
-
-
-def group_size(c: Collective, rules: R.Rules, axes: Mapping[str, int]) -> int:
-    """Devices taking part in ``c``: how many ways its ``over`` dimension is split (as
-    ``spec_for`` decides: 1 when the mesh axis does not divide it)."""
-    mesh_axis = R.spec_for((c.over,), rules, _MeshShape(axes), (c.size,))[0]
-    return 1 if mesh_axis is None else int(axes[mesh_axis])
-
-
-def collective_bytes(c: Collective, rules: R.Rules, axes: Mapping[str, int]) -> int:
-    """Bytes one device sends for ``c`` (all ``count`` times): ring all-reduce 2(n-1)/n of its
-    buffer, ring all-gather (n-1)/n of the gathered result, all-to-all the share sent away."""
-    n = group_size(c, rules, axes)
-    if n == 1:
-        return 0
-    buffer = math.prod(local_shape(c, rules, axes)) * c.itemsize
-    share = {Op.ALL_REDUCE: 2 * (n - 1) / n, Op.ALL_GATHER: (n - 1) / n,
-             Op.ALL_TO_ALL: (n - 1) / n if c.share is None else c.share}[c.op]
-    return round(c.count * buffer * share)
-
-
-def spans_hosts(axes: Mapping[str, int], mesh_axis: str, devices_per_host: int) -> bool:
-    """Whether the device groups along ``mesh_axis`` reach over more than one host, with the
-    engine's device order (``rules.device_grid``: host h holds devices h*devices_per_host ...,
-    tensor innermost)."""
-    sizes = {a: int(axes.get(a, 1)) for a in MESH_AXES}
-    hosts = R.device_grid(sizes, np.arange(math.prod(sizes.values())) // devices_per_host)
-    groups = np.moveaxis(hosts, MESH_AXES.index(mesh_axis), -1).reshape(-1, sizes[mesh_axis])
-    return bool((groups != groups[:, :1]).any())
 
 
 def _mesh_text(axes: Mapping[str, int]) -> str:
@@ -317,6 +232,24 @@ class MeshPlan:
     tensor_in_host: bool  # the tensor groups (if any) stay inside one host
     refused: str | None = None  # the engine's reason for not running this mesh
     detail: tuple[dict, ...] = ()  # each collective: step, name, op, mesh axis, group, bytes
+    stages: tuple[tuple[int, int], ...] = ()  # a pipeline's layer ranges [start, stop), stage by stage
+    micro_batches: int = 1  # a pipeline decode step's micro-batches (M)
+    stage_send: tuple[int, int] = (0, 0)  # bytes per device handed to the next stage: decode step, prefill chunk
+    stage_across_hosts: bool = False  # some stage boundary crosses hosts
+    host: HostTier | None = None  # the host tier, with ``Workload.host_memory``
+    pipeline_gap: str | None = None  # why ``model.pipeline`` does not run this stage mesh yet
+
+    @property
+    def bubble(self) -> float:
+        """The pipeline's idle share of a decode step, (S-1)/(M+S-1); 0 without stages."""
+        return bubble_fraction(max(len(self.stages), 1), self.micro_batches)
+
+    @property
+    def fits_with_host(self) -> bool:
+        """Whether it fits once weights are offloaded to the host tier (which must hold them)."""
+        h = self.host
+        return self.fits or (self.runs and h is not None and h.fits and h.offload_layers > 0
+                             and self.total - h.offload_bytes + h.buffer_bytes <= self.usable)
 
     @property
     def total(self) -> int:
@@ -349,45 +282,69 @@ class MeshPlan:
             "collectives_per_prefill_chunk": dict(self.collectives_prefill),
             "inter_host_bytes": {"decode": self.inter_host, "prefill": self.inter_host_prefill},
             "tensor_in_host": self.tensor_in_host, "collective_detail": list(self.detail),
+            "pipeline": None if not self.stages else {
+                "stages": len(self.stages), "layers": [list(r) for r in self.stages],
+                "micro_batches": self.micro_batches, "bubble_fraction": self.bubble,
+                "send_bytes_per_device": {"decode": self.stage_send[0], "prefill": self.stage_send[1]},
+                "across_hosts": self.stage_across_hosts, "not_run_yet": self.pipeline_gap},
+            "host_tier": None if self.host is None else self.host.to_json(), "fits_with_host": self.fits_with_host,
         }
 
 
 def evaluate(model: Footprint, work: Workload, axes: Mapping[str, int]) -> MeshPlan:
     """Per-device bytes, peaks and collectives of ``model`` under ``work`` on a mesh of these
     axis sizes, and the engine's refusal of it if any (a mesh without a rules table has no
-    figures: zeros)."""
+    figures: zeros). A ``stage`` mesh is its largest stage's device (``planner_pipeline``)."""
     axes = {a: int(axes.get(a, 1)) for a in MESH_AXES}
     refused = model.refusal(work, axes)
     in_host = axes["tensor"] == 1 or not spans_hosts(axes, "tensor", work.devices_per_host)
     try:
         rules = rules_for_mesh(axes)  # the rules the engine runs this mesh with
+        pipe = Pipeline.of(model, work, axes, rules) if axes.get("stage", 1) > 1 else None
     except MeshError as e:
         zeros = dict.fromkeys((c.value for c in Component), 0)
         empty = dict.fromkeys((o.value for o in Op), 0)
         return MeshPlan(axes, "none", zeros, "", work.usable, dict.fromkeys(STEPS, 0), empty, dict(empty),
                         0, 0, in_host, refused or str(e))
     totals = {c.value: 0 for c in Component}
-    for t in model.weights(work, logical_ways(rules, axes)) + model.cache(work, axes):
-        totals[t.component.value] += device_bytes(t, rules, axes)
+    if pipe is None:
+        for t in model.weights(work, logical_ways(rules, axes)) + model.cache(work, axes):
+            totals[t.component.value] += device_bytes(t, rules, axes)
+    else:
+        totals.update(pipe.totals)
+    step_work = work if pipe is None else pipe.step_work
     peaks, names = {}, {}
-    for step, stages in model.activations(work, axes).items():
+    for step, stages in model.activations(step_work, axes).items():
         sizes = [(sum(device_bytes(t, rules, axes) for t in s.tensors), s.name) for s in stages]
         peaks[step], names[step] = max(sizes, key=lambda x: x[0]) if sizes else (0, "")
     top = max(peaks, key=lambda s: peaks[s])
     totals[Component.ACTIVATIONS.value] = peaks[top]
-    sent, crossing, detail = _collectives(model.collectives(work, axes), rules, axes, work.devices_per_host)
+    scale = (1.0, 1.0) if pipe is None else pipe.collective_scale
+    sent, crossing, detail = _collectives(model.collectives(step_work, axes), rules, axes, work.devices_per_host,
+                                          scale)
+    extra = {}
+    if pipe is not None:
+        across = spans_hosts(axes, "stage", work.devices_per_host)
+        send = pipe.send_bytes(model, work)
+        crossing = {step: crossing[step] + (send[i] if across else 0) for i, step in enumerate(STEPS)}
+        gap = model.pipeline_gap(work, axes) if hasattr(model, "pipeline_gap") else None
+        extra = dict(stages=tuple((r.start, r.stop) for r in pipe.ranges), micro_batches=pipe.micro,
+                     stage_send=send, stage_across_hosts=across, pipeline_gap=gap)
+    if work.host_memory is not None:
+        extra["host"] = mesh_host_tier(model, work, axes, rules, totals, pipe)
     return MeshPlan(axes, rules.name, totals, f"{top}: {names[top]}", work.usable, peaks, sent["decode"],
-                    sent["prefill"], crossing["decode"], crossing["prefill"], in_host, refused, tuple(detail))
+                    sent["prefill"], crossing["decode"], crossing["prefill"], in_host, refused, tuple(detail), **extra)
 
 
 def _collectives(per_step: Mapping[str, list[Collective]], rules: R.Rules, axes: Mapping[str, int],
-                 devices_per_host: int) -> tuple[dict, dict, list]:
-    """Per step: bytes sent per op, the inter-host part, and one record per collective."""
+                 devices_per_host: int, scale: tuple[float, float] = (1.0, 1.0)) -> tuple[dict, dict, list]:
+    """Per step: bytes sent per op, the inter-host part, and one record per collective (each
+    times ``scale``'s factor for its step: a pipeline stage's share)."""
     sent = {s: dict.fromkeys((o.value for o in Op), 0) for s in STEPS}
     crossing, detail = dict.fromkeys(STEPS, 0), []
     for step, collectives in per_step.items():
         for c in collectives:
-            size = collective_bytes(c, rules, axes)
+            size = round(collective_bytes(c, rules, axes) * scale[STEPS.index(step)])
             if not size:
                 continue
             mesh_axis = rules.mesh_axis(c.over)
@@ -399,15 +356,23 @@ def _collectives(per_step: Mapping[str, list[Collective]], rules: R.Rules, axes:
     return sent, crossing, detail
 
 
-def candidate_meshes(devices: int, batch: int) -> list[dict[str, int]]:
-    """Every data x tensor x expert split of ``devices`` whose data size divides the batch (more
-    replicas than rows would idle). Whether the engine runs each is ``evaluate``'s ``refused``."""
+def candidate_meshes(devices: int, batch: int, layers: int = 1) -> list[dict[str, int]]:
+    """Every stage x data x tensor x expert split of ``devices`` whose data size divides the
+    batch (more replicas than rows would idle) and with at most ``layers`` stages (a stage holds
+    at least one decoder layer). Whether the engine runs each is ``evaluate``'s ``refused``."""
     out = []
-    for data in _divisors(devices):
-        for expert in _divisors(devices // data):
-            if batch % data == 0:
-                out.append({"data": data, "tensor": devices // data // expert, "expert": expert})
+    for stage in (s for s in _divisors(devices) if s <= max(layers, 1)):
+        for data in _divisors(devices // stage):
+            for expert in _divisors(devices // stage // data):
+                if batch % data == 0:
+                    out.append({"data": data, "tensor": devices // stage // data // expert, "expert": expert,
+                                "stage": stage})
     return out
+
+
+def _candidates(model: Footprint, work: Workload) -> list[dict[str, int]]:
+    """:func:`candidate_meshes` for ``model`` (no stages for a footprint without layers)."""
+    return candidate_meshes(work.devices, work.batch, getattr(model, "num_layers", 1))
 
 
 def _divisors(n: int) -> list[int]:
@@ -415,12 +380,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def _preference(p: MeshPlan) -> tuple:
-    # The RULE. Fitting meshes by host locality, data, inter-host bytes, headroom (then fewer
-    # tensor devices); runnable ones that do not fit by closeness; refused ones last.
+    # The RULE. Fitting meshes by what the engine's pipeline runs, host locality, bubble, data,
+    # inter-host bytes, headroom (then
+    # fewer tensor devices); then those fitting with weights offloaded to the host, by the time
+    # streaming adds; runnable ones that do not fit by closeness; refused ones last.
     if p.fits:
-        return (2, p.tensor_in_host, p.mesh["data"], -p.inter_host, -p.inter_host_prefill, p.headroom,
-                -p.mesh["tensor"])
-    return (1 if p.runs else 0, 0, 0, 0, 0, p.headroom if p.runs else 0, -p.mesh["tensor"])
+        return (3, p.pipeline_gap is None, p.tensor_in_host, -p.bubble, p.mesh["data"], -p.inter_host,
+                -p.inter_host_prefill, p.headroom, -p.mesh["tensor"])
+    if p.fits_with_host:
+        return (2, p.pipeline_gap is None, p.tensor_in_host, -p.host.step_seconds, p.mesh["data"], -p.inter_host,
+                -p.bubble, 0, -p.mesh["tensor"])
+    return (1 if p.runs else 0, 0, 0, 0, 0, 0, 0, p.headroom if p.runs else 0, -p.mesh["tensor"])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,7 +421,8 @@ class Plan:
                 "reserve": w.reserve, "quantize": w.quantize, "kv_cache": w.kv_cache, "dtype": w.dtype,
                 "kernels": w.kernels, "batch": w.batch, "context": w.context, "prefill_chunk": w.prefill_chunk,
                 "devices_per_host": w.devices_per_host, "page_size": self.page_size,
-                "state_snapshots": w.state_snapshots,
+                "state_snapshots": w.state_snapshots, "host_memory_bytes": w.host_memory,
+                "host_bandwidth_bytes_per_s": w.host_bandwidth, "micro_batches": w.micro_batches,
             },
             "fits": self.fits, "rule": "given by --mesh" if self.forced else RULE,
             "recommended": self.recommended.to_json(),
@@ -474,7 +445,7 @@ def plan(model: Footprint, work: Workload, mesh: Mapping[str, int] | None = None
         if not candidates[0].runs:
             raise PlanError(f"the engine refuses --mesh {_mesh_text(mesh)}: {candidates[0].refused}")
     else:
-        candidates = [evaluate(model, work, m) for m in candidate_meshes(work.devices, work.batch)]
+        candidates = [evaluate(model, work, m) for m in _candidates(model, work)]
         if not any(c.runs for c in candidates):
             raise PlanError(f"the engine runs {model.name} on no mesh of {work.devices} devices with these options; "
                             f"e.g. {_mesh_text(candidates[-1].mesh)}: {candidates[-1].refused}")
@@ -487,7 +458,7 @@ def plan(model: Footprint, work: Workload, mesh: Mapping[str, int] | None = None
 
 def _fits_somewhere(model: Footprint, work: Workload, mesh: Mapping[str, int] | None) -> bool:
     """Whether ``mesh`` (or, if None, any candidate mesh) runs and fits ``work``."""
-    meshes = [mesh] if mesh is not None else candidate_meshes(work.devices, work.batch)
+    meshes = [mesh] if mesh is not None else _candidates(model, work)
     return any(evaluate(model, work, m).fits for m in meshes)
 
 
@@ -507,7 +478,13 @@ def _advice(model: Footprint, work: Workload, mesh: Mapping[str, int] | None) ->
         out.append(f"a prefill chunk of {chunk} tokens would fit (--prefill-chunk {chunk})")
     for factor in (2, 4, 8, 16, 32, 64):
         more = dataclasses.replace(work, devices=work.devices * factor)
-        if _fits_somewhere(model, more, None if mesh is None else {**mesh, "tensor": mesh["tensor"] * factor}):
+        if mesh is None:
+            fitting = [p for p in (evaluate(model, more, m) for m in _candidates(model, more)) if p.fits]
+            if fitting:
+                out.append(f"{more.devices} devices of this memory would fit (--devices {more.devices}): "
+                           f"{_why(max(fitting, key=_preference), more)}")
+                break
+        elif _fits_somewhere(model, more, {**mesh, "tensor": mesh["tensor"] * factor}):
             out.append(f"{more.devices} devices of this memory would fit (--devices {more.devices})")
             break
     context = _largest(lambda n: _fits_somewhere(model, dataclasses.replace(work, context=n), mesh), work.context)
@@ -519,6 +496,18 @@ def _advice(model: Footprint, work: Workload, mesh: Mapping[str, int] | None) ->
     if not out:
         out.append("nothing short of more devices would fit: the weights alone exceed the usable memory")
     return out
+
+
+def _why(p: MeshPlan, work: Workload) -> str:
+    """The mesh ``p`` and, for a pipeline, what it is: stages over hosts, groups within one."""
+    text = _mesh_text(p.mesh)
+    if not p.stages:
+        return text
+    hosts = max(1, work.devices // work.devices_per_host)
+    return (f"{text}, a pipeline of {len(p.stages)} stages over {hosts} host{'s' * (hosts > 1)} "
+            f"({'tensor groups inside a host' if p.tensor_in_host else 'tensor groups across hosts'}; "
+            f"{format_size(p.stage_send[0])} per device to the next stage per decode step, bubble "
+            f"{p.bubble:.0%} at {p.micro_batches} micro-batches)")
 
 
 def _largest(fits, upper: int, power_of_two: bool = False) -> int:
@@ -537,33 +526,3 @@ def _largest(fits, upper: int, power_of_two: bool = False) -> int:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     return lo - lo % 1024 if lo >= 1024 else lo
-
-
-# ---- sizes ------------------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-}
-
-
-def parse_size(text: str) -> int:
-    """``80GiB`` / ``141GB`` / ``96G`` (binary) / ``85899345920`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match and match.group(2).lower()
-    if not match or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise PlanError(
-            f"device memory {text!r} is not a size; write a number with an optional unit, e.g. "
-            "80GiB, 141GB, 96G (binary) or 85899345920 (bytes)"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_size(n: int) -> str:
-    """Bytes as a short binary-unit string, e.g. ``21.3 GiB``."""
-    for unit, size in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"

@@ -2,8 +2,8 @@
 
 Model code names dimensions only by logical axis (``embed``, ``q_heads``, ...; see
 ``dayzero.model.weights.ParamSpec``). A :class:`Rules` table, built by one of the named strategy
-factories below, maps every logical name to one mesh axis (``data``, ``tensor``, ``expert``) or to
-None (replicated). :func:`spec_for` turns a tuple of logical axes into a ``PartitionSpec`` for a
+factories below, maps every logical name to one mesh axis (``data``, ``tensor``, ``expert``,
+``stage``) or to None (replicated). :func:`spec_for` turns a tuple of logical axes into a ``PartitionSpec`` for a
 given mesh, and :func:`weight_shardings` does so for a whole weight tree.
 
 Like the rest of ``dayzero.sharding`` this module imports nothing from ``dayzero.model``: weight
@@ -40,6 +40,7 @@ LOGICAL_AXES = (
     "latent",
     "latent_seq",
     "latent_pages",
+    "stage",
 )
 
 
@@ -76,8 +77,12 @@ class Rules:
 
 
 def _rules(name: str, **overrides: str | None) -> Rules:
-    """A rules table that replicates every logical axis except those given."""
+    """A rules table that replicates every logical axis except those given (and ``stage``)."""
     table: dict[str, str | None] = {a: None for a in LOGICAL_AXES}
+    # ``stage`` is the leading axis of pipeline-stacked layer weights and caches
+    # (``dayzero.model.pipeline``): always over the ``stage`` mesh axis, which is inert (size 1)
+    # on a mesh without pipeline parallelism, so every strategy composes with it.
+    table["stage"] = "stage"
     table.update(overrides)
     return Rules(name, table)
 
@@ -175,7 +180,7 @@ def make_mesh(axes: Mapping[str, int], devices: list | None = None) -> Mesh:
     """A mesh with all of ``MESH_AXES`` (sizes from ``axes``, missing ones 1) over ``devices``.
 
     ``devices`` defaults to ``jax.devices()`` (all devices of all processes); their count must equal
-    the product of the sizes. Always naming all three axes lets any rules object be used with any
+    the product of the sizes. Always naming every axis lets any rules object be used with any
     mesh: an axis of size 1 just replicates.
     """
     unknown = [a for a in axes if a not in MESH_AXES]
@@ -201,7 +206,10 @@ def make_mesh(axes: Mapping[str, int], devices: list | None = None) -> Mesh:
 # consecutive devices (jax.devices() lists each host's devices together) form the tensor groups,
 # which all-reduce every layer and need the host's fast links (NVLink, ICI); ``expert`` groups
 # (one all-to-all per MoE layer) come next and ``data`` replicas, which never talk, span hosts.
-DEVICE_ORDER = ("data", "expert", "tensor")
+# ``stage`` is slowest of all: pipeline stages pass one activation per micro-batch to their
+# neighbour (the least traffic of any axis), and it puts whole stages on whole hosts, so a
+# multi-host run can give each process one or more stages.
+DEVICE_ORDER = ("stage", "data", "expert", "tensor")
 
 
 def device_grid(sizes: Mapping[str, int], devices: Any) -> np.ndarray:

@@ -12,6 +12,10 @@ tests/test_plan_validation.py (``python -m tests.plan_checks PART [ARGS]``, star
   each shard counted at the bytes per element measured for its dtype (4-bit: half a byte);
 - ``recommend MODEL OPTIONS [all]``: load the mesh the planner recommends (``all``: every mesh
   it recommends as the device memory shrinks) and generate 2 tokens;
+- ``staged``: pipeline (``stage``) meshes: per-device bytes of a tiny model's stage-stacked weights
+  and KV cache, placed as ``model.pipeline`` places them (``staged_specs``, ``staged_cache_specs``;
+  the pipeline tests' five-layer dense and MoE configs on ``stage=2,tensor=4`` and
+  ``stage=4,expert=2``: padded slots included), against the planner's;
 - ``activations CASE...`` / ``decode CASE...``: the planner's decode and prefill (or decode
   only) activation peaks against XLA's compiled memory analysis (``tools.plan_check.CASES``:
   fitted and held-out configurations; start it with as many devices as the largest mesh).
@@ -97,6 +101,55 @@ def part_recommend(name: str, option: str, scope: str = "one") -> dict:
     return {"rows": [run_recommendation(name, config, r, quantize, kv, weights=weights) for r in recs]}
 
 
+STAGED = (("dense", "stage=2,tensor=4"), ("moe", "stage=4,expert=2"), ("dense", "stage=4,tensor=2"))
+STAGED_ROWS, STAGED_CONTEXT = 4, 64  # the cache: rows x positions (a multiple of the 16-position page)
+
+
+def part_staged() -> dict:
+    """Planner against placed stage-stacked arrays (module docstring): per component, the most
+    any device holds (every device of a stage mesh is planned as its largest stage's)."""
+    import jax
+    import numpy as np
+
+    from dayzero.model.footprint import DecodeFootprint
+    from dayzero.model.pipeline import plan_stages, stage_weights, staged_cache_specs, staged_specs
+    from dayzero.model.weights import abstract_weights
+    from dayzero.sharding.placement import placement_for
+    from dayzero.sharding.planner import Workload, evaluate
+    from dayzero.tools.plan_measure import random_weights
+    from tests.pipeline_checks import dense_config, moe_config
+
+    rows = []
+    for name, mesh in STAGED:
+        config = dense_config() if name == "dense" else moe_config()
+        axes = parse_mesh(mesh)
+        placement = placement_for(axes, jax.devices()[:8])
+        specs = abstract_weights(config)
+        stages = plan_stages(specs, axes["stage"])
+        weights = stage_weights(random_weights(specs, 0, "float32"), stages)
+        placed = jax.device_put(weights, placement.shardings(staged_specs(specs, stages)))
+        cache_specs = staged_cache_specs(config, stages, STAGED_ROWS, STAGED_CONTEXT)
+        kv = [jax.device_put(np.zeros(s.shape, np.float32), placement.sharding(s.axes, s.shape))
+              for s in (cache_specs.k, cache_specs.v)]  # lengths and rope_len: host inputs, not planned
+        work = Workload(devices=8, device_memory=1 << 30, dtype="float32", batch=STAGED_ROWS, context=STAGED_CONTEXT)
+        planned = evaluate(DecodeFootprint(config, name), work, axes)
+        rows.append({"model": name, "mesh": mesh, "ranges": [list(r) for r in stages.ranges],
+                     "planned_ranges": [list(r) for r in planned.stages],
+                     "weights": {"placed": _most_per_device(jax.tree.leaves(placed)),
+                                 "planned": planned.bytes["weights"]},
+                     "kv_cache": {"placed": _most_per_device(kv), "planned": planned.bytes["kv_cache"]}})
+    return {"rows": rows}
+
+
+def _most_per_device(arrays) -> int:
+    """The largest total of addressable shard bytes any one device holds over ``arrays``."""
+    per: dict = {}
+    for a in arrays:
+        for shard in a.addressable_shards:
+            per[shard.device] = per.get(shard.device, 0) + shard.data.nbytes
+    return max(per.values())
+
+
 def part_activations(*cases: str) -> dict:
     """Planner against XLA for the named ``tools.plan_check.CASES`` (decode and prefill)."""
     from dayzero.tools.plan_check import check_case
@@ -123,7 +176,7 @@ def start(part: str, *args: str, devices: int = 8, fast_compile: bool = False) -
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-PARTS = {"placed": part_placed, "recommend": part_recommend, "activations": part_activations,
+PARTS = {"placed": part_placed, "staged": part_staged, "recommend": part_recommend, "activations": part_activations,
          "decode": part_decode}
 
 if __name__ == "__main__":

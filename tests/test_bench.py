@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dayzero.engine.cli import main
+from dayzero.tools.roofline import read_bandwidth, roofline
 from dayzero.tools.soak import soak
 
 SPEED_KEYS = {"ttft_s", "prefill_tok_s", "decode_tok_s", "peak_rss_mb", "compile_s"}
@@ -39,6 +40,20 @@ def test_bench_runs_the_composed_configuration_and_reports_it(tiny_model, capsys
                       "--quantize", "int8", "--kv-cache", "fp8", "--kernels", "pallas_interpret")
     assert out["run"]["quantize"] == "int8" and out["run"]["kv_cache"] == "fp8"
     assert out["run"]["kernels"] == "pallas_interpret" and out["decode_tok_s"] > 0
+    # The roofline of the same run: bandwidth measured here, the row's fraction of its limit.
+    assert out["read_bandwidth"]["bytes_s"] > 0
+    line = out["runs"][0]["roofline"]
+    assert line["fraction"] == pytest.approx(out["decode_tok_s"] / line["roofline_tok_s"])
+
+
+def test_roofline_is_bytes_per_step_over_the_measured_bandwidth():
+    line = roofline(weights_bytes=1000, kv_bytes_per_position=10, prompt_len=100, new_tokens=20, batch=2,
+                    decode_tok_s=50.0, bandwidth=1e6)
+    assert line["bytes_per_step"] == 1000 + 2 * 10 * 110  # each row's cache at the mean position 110
+    assert line["roofline_tok_s"] == pytest.approx(2 * 1e6 / 3200)
+    assert line["fraction"] == pytest.approx(50.0 / (2 * 1e6 / 3200))
+    measured = read_bandwidth(buffer_bytes=4 * 2**20, repeats=1)
+    assert measured["bytes_s"] == max(measured["sum_bytes_s"], measured["matvec_bytes_s"]) > 0
 
 
 def test_hf_peer_runs_in_the_same_process_and_reports_ratios(tiny_model, capsys):

@@ -247,13 +247,16 @@ def test_fused_expert_layout_converts_to_the_same_weights(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["q_lora"], indirect=True)
-def test_mtp_layer_tensors_are_skipped_and_others_refused(case, tmp_path):
-    """Layer num_layers (the MTP module of num_nextn_predict_layers=1) is skipped; layer
+def test_mtp_layer_tensors_are_all_required_once_present_and_others_refused(case, tmp_path):
+    """Layer num_layers is the MTP module of num_nextn_predict_layers=1: a checkpoint with any of
+    its tensors keeps it (for ``--speculative mtp``; tests/test_speculative_mtp.py converts a
+    whole one), so a lone eh_proj is refused naming a missing tensor of the module. Layer
     num_layers + 1 is not part of the architecture and is refused by name."""
     def add(index):
         return lambda t: t.update({f"model.layers.{index}.eh_proj.weight": torch.zeros(64, 128)})
 
-    convert_checkpoint(_copy_hf(case, tmp_path / "mtp", tensors_edit=add(3)), tmp_path / "dz", progress=False)
+    with pytest.raises(ConvertError, match=r"model\.layers\.3\.enorm\.weight"):
+        convert_checkpoint(_copy_hf(case, tmp_path / "mtp", tensors_edit=add(3)), tmp_path / "dz", progress=False)
     with pytest.raises(ConvertError, match=r"model\.layers\.4\.eh_proj\.weight"):
         convert_checkpoint(_copy_hf(case, tmp_path / "extra", tensors_edit=add(4)), tmp_path / "dz2", progress=False)
 

@@ -5,6 +5,8 @@ Oracle: the same requests served with ``swap_bytes=0`` (recomputation after pree
 equal to ``Engine.generate``: tests/test_serving.py): identical greedy tokens and logprobs within
 1e-5, while the swapping run prefills only the prompts (no recomputation) and counts its swaps.
 A budget too small for any request recomputes; a cancelled swapped request frees its budget.
+With the prefix cache on, a readmitted request copies back only the pages the device's prefix
+cache no longer holds. The host rows live in the ``pinned_host`` memory kind (XLA:CPU has it).
 On a linear-attention hybrid the slot's recurrent states travel with the pages.
 """
 
@@ -63,6 +65,32 @@ def test_budget_and_cancel(tiny_engine):
     for _ in server.stream():
         pass
     assert len(ids) == 4
+
+
+def test_readmission_reuses_cached_pages_and_rows_live_in_pinned_host_memory(tiny_engine):
+    """With the prefix cache on, a readmitted request reuses its leading full pages the device's
+    prefix cache still holds and copies only the others back; the swapped rows are jax arrays in
+    the pinned_host memory kind (XLA:CPU has it)."""
+    prompts = _repetitive_prompts(256) + [_repetitive_prompts(256)[1][:30]]
+    config = dataclasses.replace(TIGHT, prefix_cache=True, host_cache_bytes=0)
+    recomputed, _ = _serve(tiny_engine, dataclasses.replace(config, swap_bytes=0), prompts)
+    server = ServingEngine(tiny_engine, config)
+    copies, into = [], server.swap.into
+
+    def recording_into(swapped, pages, slot, skip=0):
+        copies.append((swapped.computed, skip, {r.sharding.memory_kind for r in swapped.rows}))
+        into(swapped, pages, slot, skip)
+
+    server.swap.into = recording_into
+    ids = [server.submit(p, max_new_tokens=NEW, ignore_eos=True, logprobs=True) for p in prompts]
+    for _ in server.stream():
+        pass
+    for i, r in zip(ids, recomputed):
+        assert server.completion(i).token_ids == r.token_ids
+    assert copies and all(kinds == {"pinned_host"} for _, _, kinds in copies)
+    assert any(skip > 0 for _, skip, _ in copies)  # pages found on the device, not copied
+    assert server.stats.swapped_tokens == sum(c - skip * TIGHT.page_size for c, skip, _ in copies)
+    assert server.stats.pinned_host_pages == server.stats.host_pages > 0
 
 
 def test_hybrid_states_travel_with_the_pages():

@@ -26,7 +26,7 @@ def test_one_device_conversion_loads_into_tensor_parallel(result):
 
 
 def test_mesh_conversion_is_laid_out_for_its_mesh(result):
-    assert result["mesh"] == {"data": 2, "tensor": 4, "expert": 1} and result["rules"] == "data_tensor"
+    assert result["mesh"] == {"data": 2, "tensor": 4, "expert": 1, "stage": 1} and result["rules"] == "data_tensor"
     assert result["gate_spec"] == [None, "tensor"]
     # gate [64, 128] split 4 ways over tensor: chunks are (sub-divisions of) the [64, 32] shards.
     rows, cols = result["gate_chunks"]

@@ -145,7 +145,7 @@ def test_two_process_conversion_for_a_mesh(hf_factory, model_dir, tmp_path):
                    "convert", model_dir.parent / "hf", dst, "--mesh", "tensor=8", "--no-progress")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert json.loads((dst / "manifest.json").read_text())["mesh"] == {"data": 1, "tensor": 8, "expert": 1}
+    assert json.loads((dst / "manifest.json").read_text())["mesh"] == {"data": 1, "tensor": 8, "expert": 1, "stage": 1}
     assert sorted(p.name for p in dst.parent.iterdir()) == ["for_mesh"]  # no temporary left
     assert verify_checkpoint(dst) > 0
     want, got = named_leaves(load_checkpoint(model_dir)[1]), named_leaves(load_checkpoint(dst)[1])

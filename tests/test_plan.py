@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -272,8 +273,8 @@ def test_the_mesh_is_laid_out_as_the_planner_assumes():
     import numpy as np
     from dayzero.sharding.rules import device_grid, grid_devices
 
-    grid = device_grid({"data": 2, "tensor": 2, "expert": 2}, list(range(8)))
-    assert grid.shape == (2, 2, 2) and grid[1, :, 0].tolist() == [4, 5] and grid[0, 0, :].tolist() == [0, 2]
+    grid = device_grid({"data": 2, "tensor": 2, "expert": 2, "stage": 1}, list(range(8)))
+    assert grid.shape == (2, 2, 2, 1) and grid[1, :, 0, 0].tolist() == [4, 5] and grid[0, 0, :, 0].tolist() == [0, 2]
     assert grid_devices(grid) == list(range(8))
     assert np.array_equal(grid_devices(grid[1:]), [4, 5, 6, 7])
 
@@ -348,8 +349,8 @@ def test_a_moe_model_is_never_planned_on_data_by_expert_or_uneven_experts():
     moe = dataclasses.replace(_moe_llama().moe, num_experts=6)
     result = plan(DecodeFootprint(_llama(moe=moe)), _work(devices=4, batch=4, device_memory=64 << 20))
     reasons = {json.dumps(c.mesh, sort_keys=True): c.refused for c in result.candidates if not c.runs}
-    assert "is not supported" in reasons['{"data": 2, "expert": 2, "tensor": 1}']
-    assert "6 experts do not split evenly over expert=4" in reasons['{"data": 1, "expert": 4, "tensor": 1}']
+    assert "is not supported" in reasons['{"data": 2, "expert": 2, "stage": 1, "tensor": 1}']
+    assert "6 experts do not split evenly over expert=4" in reasons['{"data": 1, "expert": 4, "stage": 1, "tensor": 1}']
     assert result.recommended.runs and result.fits
 
 
@@ -362,7 +363,8 @@ def test_tensor_groups_inside_a_host_come_first():
     result = plan(footprint, _work(devices=8, batch=1, devices_per_host=2, device_memory=64 << 20))
     assert result.recommended.mesh["tensor"] <= 2 and result.recommended.tensor_in_host
     roomier = [c for c in result.candidates if c.fits and c.headroom > result.recommended.headroom]
-    assert roomier and all(c.mesh["tensor"] > 2 and not c.tensor_in_host for c in roomier)
+    # (pipelines have room too, but a bubble; this model's mixed dense and MoE layers they do not run)
+    assert roomier and all(c.mesh["tensor"] > 2 and not c.tensor_in_host for c in roomier if not c.stages)
 
 
 def test_data_parallelism_is_preferred_when_it_fits_and_advice_when_nothing_does():
@@ -374,14 +376,15 @@ def test_data_parallelism_is_preferred_when_it_fits_and_advice_when_nothing_does
     # cache (the serving decode dequantizes one layer's gathered pages at a time).
     deeper = DecodeFootprint(_llama(**{**SCALED, "num_layers": 4, "sliding_windows": (None,) * 4}))
     work = _work(devices=2, batch=8, context=1024, prefill_chunk=16)
-    base = min((evaluate(deeper, work, axes) for axes in ({"tensor": 2}, {"data": 2})), key=lambda p: p.total)
+    base = min((evaluate(deeper, work, axes) for axes in ({"tensor": 2}, {"data": 2}, {"stage": 2})),
+               key=lambda p: p.total)
     memory = int((base.total - 0.15 * base.bytes["kv_cache"]) / 0.9)
     tight = plan(deeper, dataclasses.replace(work, device_memory=memory))
     assert not tight.fits
     text = " ".join(tight.advice)
     assert "(--context " in text and "--kv-cache int8 would fit" in text, text
     forced = plan(footprint, _work(devices=4, batch=4, device_memory=64 << 20), {"data": 2, "tensor": 2})
-    assert forced.forced and forced.recommended.mesh == {"data": 2, "tensor": 2, "expert": 1}
+    assert forced.forced and forced.recommended.mesh == {"data": 2, "tensor": 2, "expert": 1, "stage": 1}
     with pytest.raises(PlanError, match="has 2 devices"):
         plan(footprint, _work(), {"tensor": 2})
 
@@ -412,7 +415,7 @@ def test_cli_json(capsys):
             "tensor_in_host", "collective_detail"} <= set(best)
     assert set(best["bytes_per_device"]) == {c.value for c in Component} | {"total"}
     assert best["bytes_per_device"]["activations"] == max(best["activation_peaks"].values())
-    assert result["fits"] and best["mesh"]["data"] * best["mesh"]["tensor"] * best["mesh"]["expert"] == 64
+    assert result["fits"] and math.prod(best["mesh"].values()) == 64
     assert all(c["refused"] for c in result["candidates"] if c["mesh"]["data"] > 1 and c["mesh"]["expert"] > 1)
 
 
@@ -454,6 +457,7 @@ def test_cli_errors_are_one_sentence(argv, fragments, capsys):
 
 SHARDED_MLA_SCRIPT = r"""
 import json
+import math
 import jax, jax.numpy as jnp, numpy as np
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.parallel import Parallel

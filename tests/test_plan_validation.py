@@ -14,6 +14,11 @@
    widest block table and its prefill chunks, reference path), on configurations the copy
    counts were not fitted on (held out), and on the ones they were (``tools/plan_check.CASES``).
 
+4. Pipeline (``stage``) meshes: per-device weights and KV of a tiny model's stage-stacked arrays
+   placed as ``model.pipeline`` places them (``tests/plan_checks.part_staged``), and the stage
+   ranges, equal to the planner's (a planner putting the head on the last stage only, or
+   balancing the layers otherwise, fails it).
+
 DeepSeek-V4 (tiny, ``tests/v4_helpers``): weights, the serving engine's paged pool (entry pages,
 rings and compressor states per slot) and the cache ``Engine.generate`` allocates in part 1; its
 activations against the serving engine's compiled forward over that pool
@@ -249,3 +254,19 @@ def test_every_recommended_mesh_runs(model):
     assert len(rows) >= 2
     for row in rows:
         assert row["ok"], (row["mesh"], row["quantize"], row.get("error"))
+
+
+def test_pipeline_meshes_agree_with_placed_stage_stacked_arrays():
+    """Per-device weights and KV of a stage mesh: the planner against a tiny model's weights and
+    cache stacked [stage, slot, ...] and placed as ``model.pipeline`` places them (padded slots,
+    the embedding and head whole on every stage), on stage=2,tensor=4 / stage=4,expert=2 /
+    stage=4,tensor=2; the stage ranges must be the pipeline's own."""
+    from tests.plan_checks import STAGED
+
+    rows = result_of(start("staged"), timeout=600)["rows"]
+    assert [(r["model"], r["mesh"]) for r in rows] == list(STAGED)
+    for row in rows:
+        where = (row["model"], row["mesh"])
+        assert row["planned_ranges"] == row["ranges"], where
+        for part in ("weights", "kv_cache"):
+            assert row[part]["planned"] == row[part]["placed"], (where, part, row[part])

@@ -109,7 +109,7 @@ def test_cache_specs_resolve_per_strategy():
 def test_make_mesh_checks_the_device_count():
     n = len(jax.devices())
     mesh = R.make_mesh({"tensor": n})
-    assert dict(mesh.shape) == {"data": 1, "tensor": n, "expert": 1}
+    assert dict(mesh.shape) == {"data": 1, "tensor": n, "expert": 1, "stage": 1}
     with pytest.raises(MeshError, match="needs"):
         R.make_mesh({"tensor": n + 1})
     with pytest.raises(MeshError, match="unknown mesh axes"):
@@ -128,6 +128,22 @@ def test_rules_follow_the_mesh_axes():
     assert rules_for_mesh({"data": 2, "tensor": 4}).name == "data_tensor"
     with pytest.raises(MeshError, match="data=2 x expert=4 is not supported"):
         rules_for_mesh({"data": 2, "expert": 4})
+    # ``stage`` composes with every strategy: stacked layers split over it, the rest as before.
+    assert rules_for_mesh({"stage": 2, "tensor": 4}).name == "tensor_parallel"
+    assert rules_for_mesh({"stage": 4, "expert": 2}).name == "tensor_expert_parallel"
+    for rules in (R.single_device(), R.tensor_parallel(), R.tensor_expert_parallel(), R.data_tensor()):
+        assert R.spec_for(("stage", "embed", "q_heads"), rules, FakeMesh(stage=2, tensor=4))[0] == "stage"
+
+
+def test_stage_mesh_axis_parses_and_lays_out_slowest():
+    from dayzero.sharding.distributed import parse_mesh
+
+    assert parse_mesh("stage=2,tensor=4") == {"stage": 2, "tensor": 4}
+    # Stage slowest-varying: stage 0 holds devices 0..3, so one process per stage holds whole stages.
+    grid = R.device_grid({"data": 1, "tensor": 4, "expert": 1, "stage": 2}, list(range(8)))
+    assert grid.shape == (1, 4, 1, 2)
+    assert sorted(grid[..., 0].reshape(-1)) == [0, 1, 2, 3]
+    assert R.grid_devices(grid) == list(range(8))
 
 
 def test_one_device_mesh_is_the_single_device_path():

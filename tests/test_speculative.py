@@ -255,3 +255,20 @@ def test_cli_generate_speculative_json(tiny_model, tiny_engine, capsys):
     assert got["token_ids"] == plain.token_ids
     assert got["speculative"]["accepted"] > 0 and set(got["speculative"]) == {
         "steps", "drafted", "accepted", "acceptance_rate"}
+
+
+def test_bench_speculative_reports_acceptance_and_speed(tiny_engine):
+    """``dayzero.tools.bench_spec``: plain and speculative runs of the same batch side by side,
+    the same tokens, the draft counts summed over the rows, and positive rates."""
+    from dayzero.tools.bench_spec import bench_speculative, spec_line
+
+    prompts = _repetitive_prompts(256)[:2]
+    got = bench_speculative(tiny_engine, prompts, 12, 1, SpecConfig(num_draft_tokens=K))
+    spec = tiny_engine.generate(prompts, max_new_tokens=12, ignore_eos=True, speculative=SpecConfig(num_draft_tokens=K))
+    assert got["same_tokens"] and got["drafter"] == "ngram" and got["num_draft_tokens"] == K
+    assert (got["drafted"], got["accepted"]) == tuple(sum(getattr(o.speculation, k) for o in spec)
+                                                      for k in ("drafted", "accepted"))
+    assert got["acceptance_rate"] == round(got["accepted"] / got["drafted"], 4)
+    assert got["tokens_per_step"] == round(2 * 11 / sum(o.speculation.steps for o in spec), 2)
+    assert got["decode_tok_s"] > 0 and got["plain_decode_tok_s"] > 0 and got["speedup"] > 0
+    assert "acceptance" in spec_line(got)

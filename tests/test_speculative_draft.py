@@ -126,7 +126,7 @@ def test_refusals_name_the_problem(tiny_engine, tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--speculative", "draft"]) == 2
     assert "--speculative draft:DIR" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--speculative", "nope"]) == 2
-    assert "use ngram or draft:DIR" in capsys.readouterr().err
+    assert "use ngram, mtp or draft:DIR" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -3,6 +3,9 @@
 Sweeps prompt lengths and batch sizes (``--prompt-len 128,512,2048 --batch 1,8``). Peers run
 the same prompts in the same process right after (``--vs-hf``, ``--vs-llamacpp``) and the
 ratios are printed: these machines are shared and noisy, so only side-by-side ratios mean much.
+For the same reason the machine's read bandwidth is measured in the same run
+(``dayzero.tools.roofline``), and each row reports the fraction of the decode roofline it reached
+(``roofline``: bytes read per step over that bandwidth).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from pathlib import Path
 import jax
 
 from dayzero.tools import peers
+from dayzero.tools.roofline import read_bandwidth, roofline, weight_bytes_per_step
 from dayzero.tools.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
 from dayzero.engine.sampling import SamplingParams
 from dayzero.model.quant import KVQuant, describe_weights, stored_bytes
@@ -73,7 +77,8 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[int]) -> list[dict]:
+def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[int],
+          bandwidth: float | None = None) -> list[dict]:
     context = engine.config.max_position_embeddings
     too_long = [n for n in prompt_lens if n + args.new_tokens > context]
     if too_long:  # checked before any run, so a long sweep does not fail at its end
@@ -86,6 +91,8 @@ def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[in
             prompts = bench_prompt(engine.config.vocab_size, prompt_len, batch, engine.eos_ids)
             row = {"prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
             row.update(bench_engine(engine, prompts, args.new_tokens, args.repeats))
+            if bandwidth is not None:
+                row["roofline"] = decode_roofline(engine, row, bandwidth)
             for name, peer in peer_map.items():
                 if name == "llamacpp" and batch > 1:
                     continue  # llama-cpp-python's API runs one sequence
@@ -94,6 +101,14 @@ def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[in
                 row[f"ratio_{name}"] = ratios(row, measured)
             runs.append(row)
     return runs
+
+
+def decode_roofline(engine, row: dict, bandwidth: float) -> dict[str, float]:
+    """The decode roofline of one benchmark ``row`` (``dayzero.tools.roofline.roofline``): the
+    engine's weights read once per step plus its KV cache at the row's mean decode position."""
+    per_position = kv_cache_bytes(engine.config, 1, 1, engine.weights.embed.dtype, engine.kv_cache)
+    return roofline(weight_bytes_per_step(engine.weights), per_position, row["prompt_len"], row["new_tokens"],
+                    row["batch"], row["decode_tok_s"], bandwidth)
 
 
 def ratios(ours: dict, peer: dict) -> dict[str, float]:
@@ -125,6 +140,11 @@ def _print_table(result: dict) -> None:
             f"{r['prompt_len']:>7}{r['batch']:>6}{r['ttft_s']:>9.3f}{r['prefill_tok_s']:>11.1f}"
             f"{r['decode_tok_s']:>10.1f}{r['compile_s']:>10.2f}{r['rss_mb']:>9.0f}{r['kv_cache_mb']:>8.1f}"
         )
+        if "roofline" in r:
+            f = r["roofline"]
+            print(f"{'  roofline':>13}  {f['bytes_per_step'] / 2**20:.0f} MiB read per step at "
+                  f"{f['read_bandwidth_gb_s']:.1f} GB/s: {f['roofline_tok_s']:.1f} tok/s limit, "
+                  f"decode at {f['fraction']:.0%} of it")
         for name in ("hf", "llamacpp"):
             if name in r:
                 p, q = r[name], r[f"ratio_{name}"]
@@ -134,6 +154,10 @@ def _print_table(result: dict) -> None:
                 )
     if any("hf" in r or "llamacpp" in r for r in result["runs"]):
         print("ratio = dayzero speed / peer speed (ttft: peer time / dayzero time); > 1 means dayzero is faster")
+    if "speculative" in result:
+        from dayzero.tools.bench_spec import spec_line
+
+        print(spec_line(result["speculative"]))
     if "soak" in result:
         s = result["soak"]
         print(
@@ -156,12 +180,22 @@ def run_bench(args: argparse.Namespace, placement=None) -> int:
     if args.new_tokens < 2:
         raise BenchError("--new-tokens must be >= 2 to measure decoding")
     peer_map = make_peers(args)
+    from dayzero.engine.cli import speculative_config
+
+    spec = speculative_config(args)  # a bad --speculative fails before the model loads
     engine = Engine.load(args.model, placement=placement, **options_from_args(args))
-    runs = _runs(engine, args, peer_map, prompt_lens, batches)
+    # Measured once per run, beside the decode figures it bounds (one device's memory).
+    bandwidth = read_bandwidth() if placement is None else None
+    runs = _runs(engine, args, peer_map, prompt_lens, batches, None if bandwidth is None else bandwidth["bytes_s"])
     result = {**runs[0], "runs": runs, "dtype": str(engine.weights.embed.dtype), "backend": jax.default_backend(),
               "mesh": None if placement is None else placement.axes,
               "quantize": describe_weights(engine.weights), "weights_mb": stored_bytes(engine.weights) / 2**20,
-              "kv_cache": engine.kv_cache.value, "run": engine.run.describe()}
+              "kv_cache": engine.kv_cache.value, "run": engine.run.describe(), "read_bandwidth": bandwidth}
+    if spec is not None:
+        from dayzero.tools.bench_spec import bench_speculative
+
+        prompts = bench_prompt(engine.config.vocab_size, prompt_lens[0], batches[0], engine.eos_ids)
+        result["speculative"] = bench_speculative(engine, prompts, args.new_tokens, args.repeats, spec)
     if args.soak:
         result["soak"] = soak(engine, args.soak_len)
     if args.plot:

@@ -32,8 +32,8 @@ def load_model(preset: str | None, config_path: str | None) -> tuple[str, ModelC
 
 def workload_from_args(args: argparse.Namespace) -> Workload:
     """The :class:`Workload` of ``--devices --device-memory --quantize --kv-cache --dtype --batch
-    --context --prefill-chunk --devices-per-host --kernels``, its storage checked with the
-    engine's parsers before any model is built."""
+    --context --prefill-chunk --devices-per-host --kernels --host-memory --host-bandwidth
+    --micro-batches``, its storage checked with the engine's parsers before any model is built."""
     from dayzero.model.footprint import storage
 
     work = Workload(
@@ -42,9 +42,16 @@ def workload_from_args(args: argparse.Namespace) -> Workload:
         prefill_chunk=args.prefill_chunk, devices_per_host=args.devices_per_host,
         reserve=getattr(args, "reserve", 0.1), kernels=getattr(args, "kernels", "auto"),
         state_snapshots=getattr(args, "state_snapshots", None),  # as ``dayzero serve --state-snapshots``
+        host_memory=_size_or_none(getattr(args, "host_memory", None), "--host-memory"),
+        host_bandwidth=float(parse_size(getattr(args, "host_bandwidth", None) or "55GB", "--host-bandwidth")),
+        micro_batches=getattr(args, "micro_batches", None),
     )
     storage(work)
     return work
+
+
+def _size_or_none(text: str | None, what: str) -> int | None:
+    return None if text is None else parse_size(text, what)
 
 
 def make_plan(args: argparse.Namespace) -> Plan:
@@ -68,7 +75,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _row(p: MeshPlan) -> str:
-    mesh = f"  {p.to_json()['mesh_text']:<24} "
+    mesh = f"  {p.to_json()['mesh_text']:<28} "
     if not p.runs:
         return mesh + f"refused: {p.refused}"
     b = p.bytes
@@ -76,7 +83,8 @@ def _row(p: MeshPlan) -> str:
     weights, kv = b["weights"] + b["weight_scales"], b["kv_cache"] + b["kv_scales"] + b["state_snapshots"]
     return (mesh + f"{format_size(weights):>10} {format_size(kv):>10} "
             f"{format_size(b['activations']):>10} {format_size(p.total):>10} {format_size(p.inter_host):>10}  "
-            f"{'yes' if p.tensor_in_host else 'no':<7} {'yes' if p.fits else 'no'}")
+            f"{'yes' if p.tensor_in_host else 'no':<7} {f'{p.bubble:.0%}' if p.stages else '-':>6}  "
+            f"{'yes' if p.fits else 'with host' if p.fits_with_host else 'no'}")
 
 
 def _collective_lines(p: MeshPlan, step: str, label: str) -> list[str]:
@@ -113,6 +121,38 @@ def _snapshot_line(result: Plan, rows: int) -> list[str]:
             f"{n / rows:g} per sequence, {format_size(size // n)} each on each device)"]
 
 
+def _pipeline_lines(p: MeshPlan, w) -> list[str]:
+    """A stage mesh: its stages' layers, micro-batches and bubble, what crosses each boundary,
+    and what ``model.pipeline`` does not run yet."""
+    if not p.stages:
+        return []
+    ranges = ", ".join(f"{a}-{b - 1}" for a, b in p.stages)
+    lines = [f"  pipeline: {len(p.stages)} stages (layers {ranges}), {p.micro_batches} micro-batches "
+             f"(--micro-batches), bubble (S-1)/(M+S-1) = {p.bubble:.0%}; per device to the next stage "
+             f"{format_size(p.stage_send[0])} per decode step, {format_size(p.stage_send[1])} per prefill chunk, "
+             f"{'across' if p.stage_across_hosts else 'inside'} hosts"]
+    if p.pipeline_gap:
+        lines.append(f"  not run by the engine yet: {p.pipeline_gap}")
+    return lines
+
+
+def _host_lines(p: MeshPlan) -> list[str]:
+    """The host tier: offloaded weights and their streaming time, KV swap space, per host."""
+    h = p.host
+    if h is None:
+        return []
+    lines = [f"  host tier: {format_size(h.host_bytes)} of {format_size(h.usable)} usable per host "
+             f"({'fits' if h.fits else 'DOES NOT FIT'}); link {h.bandwidth / 1e9:g} GB/s per device",
+             f"    KV swap space {format_size(h.swap_bytes)} per host (serve --swap-space default: the device pools); "
+             f"one sequence back onto a device {format_size(h.swap_sequence_bytes)}, {h.swap_in_seconds * 1e3:.1f} ms"]
+    if h.offload_layers:
+        lines.append(f"    weights offloaded: {h.offload_layers} layers, {format_size(h.offload_bytes)} per device "
+                     f"(+{format_size(h.buffer_bytes)} streaming buffer on the device), "
+                     f"+{h.step_seconds * 1e3:.1f} ms per decode step streaming them"
+                     f"{'' if p.fits_with_host else '; still does not fit'}")
+    return lines
+
+
 def format_plan(result: Plan, layout: str | None = None) -> str:
     """The human-readable report. ``layout``: how the KV is held (:func:`kv_layout`; default:
     page pools of ``result.page_size`` positions)."""
@@ -144,11 +184,13 @@ def format_plan(result: Plan, layout: str | None = None) -> str:
         "  collectives sent per device (largest listed):",
         *_collective_lines(best, "decode", "per decode step"),
         *_collective_lines(best, "prefill", "per prefill chunk"),
+        *_pipeline_lines(best, w),
+        *_host_lines(best),
     ]
     if not result.forced:
         lines += ["", f"rule: {RULE}", "",
-                  f"  {'mesh':<24} {'weights':>10} {'KV':>10} {'activ.':>10} {'total':>10} {'x-host/step':>10}  "
-                  f"{'TP host':<7} fits"]
+                  f"  {'mesh':<28} {'weights':>10} {'KV':>10} {'activ.':>10} {'total':>10} {'x-host/step':>10}  "
+                  f"{'TP host':<7} {'bubble':>6}  fits"]
         lines += [_row(p) for p in result.candidates[:SHOWN_CANDIDATES]]
         if len(result.candidates) > SHOWN_CANDIDATES:
             lines.append(f"  ... {len(result.candidates) - SHOWN_CANDIDATES} more (--json lists all)")

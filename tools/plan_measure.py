@@ -442,7 +442,9 @@ def recommended_meshes(config, name: str, quantize: str, kv_cache: str, dtype: s
             memory = int(total / (1 - work(1).reserve)) + 1
             best = plan(footprint, work(memory)).recommended
             key = tuple(sorted(best.mesh.items()))
-            if best.fits and key not in found:
+            # A pipeline ``model.pipeline`` does not run for this model yet (``pipeline_gap``) is
+            # planned, not run: its figures are checked against placed arrays (plan_checks staged).
+            if best.fits and best.pipeline_gap is None and key not in found:
                 found[key] = {"mesh": dict(best.mesh), "batch": batch, "devices_per_host": per_host,
                               "device_memory": memory}
     return list(found.values())

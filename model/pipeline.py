@@ -1,0 +1,500 @@
+"""Pipeline parallelism: decoder layers split into contiguous stages over the ``stage`` mesh axis.
+
+Layout. The layers are split by :func:`dayzero.sharding.stages.balanced_stages` (balanced by
+parameter bytes). Each stage's layers are stacked into *slots*, and the slots of all stages into
+one tree whose leaves are [S, P, ...] (S stages, P = the largest stage's layer count), split over
+``stage`` by the logical axis of the same name; a stage with fewer layers pads its last slots with
+zeros and an ``active`` flag of False, which the forward pass skips (its output is discarded). The
+KV cache is stacked the same way ([S, P, B, ...]), so each stage's cache lives on its own devices.
+One stacked tree, rather than a tuple of per-stage trees, is what makes the whole pipeline one SPMD
+program: every stage runs the same code on its own slice.
+
+Schedule. :func:`pipeline_forward` runs inside ``jax.shard_map`` manual over ``stage`` only; the
+other mesh axes stay automatic, so tensor parallelism within a stage is XLA's, and the
+expert-parallel MoE block nests its own ``shard_map`` (``Parallel.shard_mesh``). The batch is cut
+into M micro-batches and the loop runs M + S - 1 ticks: at tick t stage s runs micro-batch t - s
+through its slots and ``ppermute``s the activations to stage s + 1 (GPipe's schedule, forward
+only). A stage with no micro-batch at a tick computes on stale data that is thrown away: the
+bubble, (S - 1) / (M + S - 1) of the ticks. The embedding runs before the loop (stage 0 reads its
+micro-batch from it), the final norm and head after it, on the last stage's hidden states.
+
+Layer kinds. A stack needs layers of one kind (structure and shapes). A model whose first layers
+are of another kind (DeepSeek's and Kimi's dense first layers before the MoE ones) gets them as a
+*prefix* stack placed deliberately on stage 0, which takes correspondingly fewer main layers
+(:func:`plan_stages` chooses the split minimising the largest stage's bytes under that
+constraint). Other stages hold that stack as zero padding ([S, Q, ...] with Q prefix layers),
+which costs them Q dense layers of memory: small beside MoE layers, and what keeps every stage
+one program. MTP modules are not run by the engine and stay outside the pipeline, in ``outer``.
+
+What it covers is what :func:`pipeline_refusal` does not refuse: softmax attention (GQA/MHA, one
+window for every layer), dense or MoE MLPs (a dense prefix then MoE), a float contiguous KV
+cache, the reference attention. Each refusal is one sentence naming the feature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import PartitionSpec as P
+
+from dayzero.model.cache import _write_rows
+from dayzero.model.config import AttentionKind, ModelConfig
+from dayzero.model.norm import rms_norm
+from dayzero.model.parallel import Parallel
+from dayzero.model.rope import rope_cos_sin
+from dayzero.model.transformer import attention_masks, decoder_layer, output_logits
+from dayzero.model.weights import ParamSpec, Weights, is_spec, map_specs
+from dayzero.sharding.distributed import MeshError
+from dayzero.sharding.stages import balanced_stages
+
+
+def pipeline_refusal(config: ModelConfig, axes: Mapping[str, int], *, kernels: Any = None,
+                     quantized: bool = False, kv_quantized: bool = False) -> str | None:
+    """Why ``config`` cannot run pipelined on a mesh of these axis sizes (None: it can, or the
+    mesh has no ``stage`` axis > 1). ``kernels``: the resolved attention mode (None or the
+    reference path is fine); ``quantized`` / ``kv_quantized``: weights / KV cache not float."""
+    stages = int(axes.get("stage", 1))
+    if stages <= 1:
+        return None
+    mesh = f"--mesh stage={stages}"
+    if stages > config.num_layers:
+        return f"{mesh} is more stages than the model's {config.num_layers} decoder layers; use stage <= {config.num_layers}"
+    unsupported = [
+        (config.attention is AttentionKind.MLA or config.mla is not None, "multi-head latent attention"),
+        (config.compressed is not None, "DeepSeek-V4's compressed attention"),
+        (config.linear is not None, "hybrid linear-attention layers"),
+        (config.hyper is not None, "hyper-connections"),
+        (config.vision is not None, "a vision tower"),
+        (len(set(config.sliding_windows)) > 1, "layers with different attention windows"),
+        (config.moe is not None and _interleaved(config.moe.layers),
+         "dense and MoE layers interleaved (dense first layers, then MoE, are supported)"),
+        (quantized, "quantized weights"),
+        (kv_quantized, "a quantized KV cache"),
+        (kernels is not None and getattr(kernels, "value", kernels) not in ("reference", "auto"),
+         "the Pallas attention kernels"),
+    ]
+    for bad, what in unsupported:
+        if bad:
+            return (f"{mesh} (pipeline parallelism) does not support {what} yet; drop the stage axis and "
+                    "use tensor/expert/data parallelism")
+    return None
+
+
+def _interleaved(moe_layers: tuple[bool, ...]) -> bool:
+    """Whether MoE flags are other than some dense layers then only MoE layers."""
+    first = moe_layers.index(True) if True in moe_layers else len(moe_layers)
+    return not all(moe_layers[first:])
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """Which layers each stage runs (contiguous ranges as (start, stop) pairs), of which the first
+    ``prefix`` (layers of another kind, e.g. DeepSeek's dense first layers) all sit on stage 0.
+    Hashable: a jit static argument.
+
+    Each stage has ``prefix`` prefix slots (active on stage 0 only) then P main slots (the largest
+    stage's main-layer count; the others pad up to it). Cache slot j of a stage is prefix slot j
+    for j < prefix, main slot j - prefix after."""
+
+    ranges: tuple[tuple[int, int], ...]
+    prefix: int = 0
+
+    @property
+    def num_stages(self) -> int:
+        """S, the number of stages."""
+        return len(self.ranges)
+
+    @property
+    def slots(self) -> int:
+        """P, the largest stage's main-layer count (the others pad up to it)."""
+        return max(b - max(a, self.prefix) for a, b in self.ranges)
+
+    def slot_layers(self) -> tuple[tuple[int | None, ...], ...]:
+        """Per stage, per main slot: the layer index it runs, or None for a padding slot."""
+        starts = [max(a, self.prefix) for a, _ in self.ranges]
+        return tuple(tuple(a + p if a + p < b else None for p in range(self.slots))
+                     for a, (_, b) in zip(starts, self.ranges))
+
+    def prefix_layers(self) -> tuple[tuple[int | None, ...], ...]:
+        """Per stage, per prefix slot: the layer index (stage 0 only), or None."""
+        return tuple(tuple(j if s == 0 else None for j in range(self.prefix)) for s in range(self.num_stages))
+
+    def active(self) -> jax.Array:
+        """[S, P] bool: which main slots hold a layer."""
+        return jnp.array([[i is not None for i in row] for row in self.slot_layers()])
+
+    def prefix_active(self) -> jax.Array:
+        """[S, prefix] bool: which prefix slots hold a layer (stage 0's)."""
+        return jnp.array([[i is not None for i in row] for row in self.prefix_layers()], bool).reshape(
+            self.num_stages, self.prefix)
+
+
+def _spec_bytes(tree: Any) -> int:
+    """Parameter bytes of a tree of ``ParamSpec`` (4 bytes an element where no dtype is set)."""
+    leaves = jax.tree.leaves(tree, is_leaf=is_spec)
+    return sum(math.prod(s.shape) * (s.dtype.itemsize if s.dtype is not None else 4) for s in leaves)
+
+
+def _kind(layer: Any) -> Any:
+    """What must match for layers to share a stack: tree structure and leaf shapes."""
+    leaves, tree = jax.tree.flatten(layer, is_leaf=is_spec)
+    return tree, tuple(tuple(x.shape) for x in leaves)
+
+
+def layer_prefix(layers: tuple) -> int:
+    """How many leading layers differ in kind from the last one (0: all alike). Raises
+    ``ValueError`` unless those leading layers are alike and all later ones like the last."""
+    kinds = [_kind(layer) for layer in layers]
+    prefix = next(i for i in range(len(kinds)) if all(k == kinds[-1] for k in kinds[i:]))
+    if any(k != kinds[0] for k in kinds[:prefix]):
+        raise ValueError("pipeline stages take at most two kinds of decoder layer, a prefix of one kind then the "
+                         "rest of another (e.g. dense first layers then MoE layers)")
+    return prefix
+
+
+def plan_stages(specs: Weights, num_stages: int) -> StagePlan:
+    """The stage split of a weight-spec tree (``abstract_weights``): contiguous, minimising the
+    largest stage's parameter bytes, with a prefix of another layer kind (dense first layers)
+    kept whole on stage 0, which then takes correspondingly fewer of the main layers."""
+    sizes = [_spec_bytes(layer) for layer in specs.layers]
+    prefix, n = layer_prefix(specs.layers), len(sizes)
+    if prefix == 0 or num_stages == 1:
+        ranges = balanced_stages(sizes, num_stages)
+        return StagePlan(tuple((r.start, r.stop) for r in ranges), prefix)
+    if n - prefix < num_stages - 1:
+        raise MeshError(f"--mesh stage={num_stages} leaves a stage without layers: the first {prefix} layers stay "
+                        f"together on stage 0 and only {n - prefix} others remain; use stage <= {n - prefix + 1}")
+    best = None
+    for stop in range(prefix, n - num_stages + 2):  # stage 0 = [0, stop): the prefix and stop - prefix more
+        rest = balanced_stages(sizes[stop:], num_stages - 1)
+        cost = max(sum(sizes[:stop]), *(sum(sizes[stop + i] for i in r) for r in rest))
+        if best is None or cost < best[0]:
+            best = (cost, ((0, stop),) + tuple((stop + r.start, stop + r.stop) for r in rest))
+    return StagePlan(best[1], prefix)
+
+
+@struct.dataclass
+class StagedWeights:
+    """A model laid out for the pipeline: ``outer`` (embedding, final norm, head; ``layers``
+    empty), ``layers``, one layer tree whose leaves are stacked [S, P, ...], and ``prefix``, the
+    prefix layers stacked [S, prefix, ...] (None without a prefix)."""
+
+    outer: Weights
+    layers: Any
+    prefix: Any = None
+
+
+def _stacked_spec(layer: Any, lead: tuple[int, int]) -> Any:
+    return map_specs(lambda s: dataclasses.replace(s, shape=lead + s.shape, axes=("stage", None) + s.axes), layer)
+
+
+def staged_specs(specs: Weights, plan: StagePlan) -> StagedWeights:
+    """The abstract tree of :class:`StagedWeights`: each layer leaf [S, slots, ...] with logical
+    axes ("stage", None, ...), from the per-layer specs."""
+    S = plan.num_stages
+    prefix = _stacked_spec(specs.layers[0], (S, plan.prefix)) if plan.prefix else None
+    return StagedWeights(outer=specs.replace(layers=()), layers=_stacked_spec(specs.layers[-1], (S, plan.slots)),
+                         prefix=prefix)
+
+
+def _stack(layers: tuple, rows: tuple[tuple[int | None, ...], ...], like: Any) -> Any:
+    """``layers`` placed as ``rows`` (stage by slot) says, [S, slots, ...] leaves, zero padding."""
+    zero = jax.tree.map(jnp.zeros_like, like)
+    flat = [layers[i] if i is not None else zero for row in rows for i in row]
+    return jax.tree.map(lambda *xs: jnp.stack(xs).reshape((len(rows), len(rows[0])) + xs[0].shape), *flat)
+
+
+def stage_weights(weights: Weights, plan: StagePlan) -> StagedWeights:
+    """Stack ``weights.layers`` into the stages' slots as ``plan`` says (padding slots zero)."""
+    if layer_prefix(weights.layers) != plan.prefix:
+        raise ValueError(f"the weights' layers do not have the plan's {plan.prefix} prefix layers")
+    prefix = _stack(weights.layers, plan.prefix_layers(), weights.layers[0]) if plan.prefix else None
+    return StagedWeights(outer=weights.replace(layers=()),
+                         layers=_stack(weights.layers, plan.slot_layers(), weights.layers[-1]), prefix=prefix)
+
+
+@struct.dataclass
+class StagedKVCache:
+    """The contiguous KV cache stacked like the layers: keys [S, Q + P, B, K, H, L], values
+    [S, Q + P, B, K, L, H] (Q prefix then P main slots, each in ``KVCache``'s layouts), lengths
+    [B], ``rope_len``."""
+
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+    rope_len: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        """L, the positions each row can hold."""
+        return self.v.shape[4]
+
+
+@struct.dataclass
+class StagedNewKV:
+    """What one pipelined call adds: keys and values [S, Q + P, B, T, K, H], per-row real tokens."""
+
+    k: jax.Array
+    v: jax.Array
+    num_new: jax.Array
+    rope_len: jax.Array
+
+
+def staged_cache_specs(config: ModelConfig, plan: StagePlan, batch: int, max_len: int) -> StagedKVCache:
+    """The staged cache declared abstractly (a ``ParamSpec`` at every leaf; zeros)."""
+    K, H, SP = config.num_kv_heads, config.head_dim, (plan.num_stages, plan.prefix + plan.slots)
+    lead = ("stage", None, "batch", "kv_heads")
+    return StagedKVCache(
+        k=ParamSpec(SP + (batch, K, H, max_len), lead + ("head_dim", "cache_seq")),
+        v=ParamSpec(SP + (batch, K, max_len, H), lead + ("cache_seq", "head_dim")),
+        lengths=ParamSpec((batch,), ("batch",), dtype=jnp.dtype(jnp.int32)),
+        rope_len=ParamSpec((), (), dtype=jnp.dtype(jnp.int32)),
+    )
+
+
+def append_staged(cache: StagedKVCache, new: StagedNewKV) -> StagedKVCache:
+    """Write one pipelined call's keys/values at each row's length and advance the lengths (the
+    staged form of ``cache.append_to_cache``; jit it with the cache donated)."""
+    starts = cache.lengths
+
+    def write(buf, rows, axis):  # one slot: buf [B, ...], rows in its layout
+        return _write_rows(buf, rows, starts, axis)
+
+    both = jax.vmap(jax.vmap(write, in_axes=(0, 0, None)), in_axes=(0, 0, None))
+    k = both(cache.k, new.k.transpose(0, 1, 2, 4, 5, 3), 3)
+    v = both(cache.v, new.v.transpose(0, 1, 2, 4, 3, 5), 2)
+    return StagedKVCache(k=k, v=v, lengths=starts + new.num_new, rope_len=new.rope_len)
+
+
+def micro_batches(batch: int, wanted: int) -> int:
+    """The micro-batch count used for ``batch`` rows: the largest divisor of ``batch`` that is at
+    most ``wanted`` (micro-batches are equal slices of rows)."""
+    return max(m for m in range(1, max(1, min(wanted, batch)) + 1) if batch % m == 0)
+
+
+def bubble_fraction(num_stages: int, num_micro: int) -> float:
+    """The share of stage-ticks with no micro-batch to run: (S - 1) / (M + S - 1)."""
+    return (num_stages - 1) / (num_micro + num_stages - 1)
+
+
+def _rows(x: jax.Array, m: jax.Array, mb: int, axis: int = 0) -> jax.Array:
+    """Micro-batch ``m``'s ``mb`` rows of ``x`` along ``axis``."""
+    return jax.lax.dynamic_slice_in_dim(x, m * mb, mb, axis=axis)
+
+
+def _put_rows(buf: jax.Array, rows: jax.Array, m: jax.Array, keep: jax.Array, axis: int = 0) -> jax.Array:
+    """``buf`` with micro-batch ``m``'s rows replaced by ``rows`` where ``keep`` (a scalar bool)."""
+    old = _rows(buf, m, rows.shape[axis], axis)
+    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, rows, old), m * rows.shape[axis], axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """What the stage body needs besides arrays (static)."""
+
+    config: ModelConfig
+    plan: StagePlan
+    parallel: Parallel | None
+    num_micro: int
+    fresh: bool  # no cache to read (a first prefill)
+
+
+def _stage_slots(step: _Step, stacks, k_cache, v_cache, x, tokens, starts, num_new, max_len, rope_len):
+    """One micro-batch through this stage's slots (``stacks``: (layers, active) per stack, the
+    prefix first) -> (x, new keys [slots,mb,T,K,H], values)."""
+    config = step.config
+    T = x.shape[1]
+    positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
+    masks = attention_masks(starts, num_new, T, None if step.fresh else max_len, config.sliding_windows[0])
+
+    def slot(x, xs):
+        w, on, k, v = xs
+        layer_cache = None if step.fresh else (k, v)
+        y, (k_new, v_new), _ = decoder_layer(w, config, x, cos_sin, layer_cache, masks, step.parallel,
+                                             tokens=tokens)
+        return jnp.where(on, y, x), (k_new, v_new)
+
+    new_k, new_v, first = [], [], 0
+    for layers, active in stacks:  # the prefix stack's slots come first in the cache
+        n = active.shape[0]
+        if step.fresh:
+            caches = (jnp.zeros((n,)), jnp.zeros((n,)))
+        else:
+            caches = (k_cache[first:first + n], v_cache[first:first + n])
+        x, (k, v) = jax.lax.scan(slot, x, (layers, active, *caches))
+        new_k, new_v, first = new_k + [k], new_v + [v], first + n
+    return x, (jnp.concatenate(new_k), jnp.concatenate(new_v))
+
+
+def _stage_body(step: _Step, stacks, k_cache, v_cache, x_all, tokens, starts, num_new, rope_len):
+    """The per-stage program (inside ``shard_map`` over ``stage``): M + S - 1 ticks of running a
+    micro-batch through the stage and passing its activations on. Returns the last stage's final
+    hidden state of each row's last real token [B, D] (summed over stages: zero elsewhere) and the
+    stage's new keys/values [1, slots, B, T, K, H]."""
+    S, M = step.plan.num_stages, step.num_micro
+    stacks = jax.tree.map(lambda a: a[0], stacks)
+    if not step.fresh:
+        k_cache, v_cache = k_cache[0], v_cache[0]  # [P, B, ...]
+    me = jax.lax.axis_index("stage")
+    B, T, D = x_all.shape
+    mb = B // M
+    Pn = step.plan.prefix + step.plan.slots
+    K, H = step.config.num_kv_heads, step.config.head_dim
+    max_len = None if step.fresh else v_cache.shape[3]
+
+    def tick(carry, t):
+        received, out, new_k, new_v = carry
+        m = jnp.clip(t - me, 0, M - 1)
+        valid = (t - me >= 0) & (t - me < M)
+        x = jnp.where(me == 0, _rows(x_all, m, mb), received)
+        ks = None if step.fresh else _rows(k_cache, m, mb, axis=1)
+        vs = None if step.fresh else _rows(v_cache, m, mb, axis=1)
+        y, (k_new, v_new) = _stage_slots(step, stacks, ks, vs, x, _rows(tokens, m, mb), _rows(starts, m, mb),
+                                         _rows(num_new, m, mb), max_len, rope_len)
+        new_k = _put_rows(new_k, k_new, m, valid, axis=1)
+        new_v = _put_rows(new_v, v_new, m, valid, axis=1)
+        last = jnp.clip(_rows(num_new, m, mb) - 1, 0, T - 1)
+        y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
+        out = _put_rows(out, y_last, m, valid & (me == S - 1))
+        passed = jax.lax.ppermute(y, "stage", [(s, s + 1) for s in range(S - 1)])
+        return (passed, out, new_k, new_v), None
+
+    init = (jnp.zeros((mb, T, D), x_all.dtype), jnp.zeros((B, D), x_all.dtype),
+            jnp.zeros((Pn, B, T, K, H), x_all.dtype), jnp.zeros((Pn, B, T, K, H), x_all.dtype))
+    (_, out, new_k, new_v), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
+    return jax.lax.psum(out, "stage"), new_k[None], new_v[None]
+
+
+def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePlan, parallel: Parallel,
+                     tokens: jax.Array, cache: StagedKVCache | None = None, num_new: jax.Array | None = None,
+                     num_micro: int = 1) -> tuple[jax.Array, StagedNewKV]:
+    """``transformer.forward`` pipelined over the ``stage`` axis: logits of each row's last real
+    token [B, V] and what :func:`append_staged` writes. ``tokens`` [B, T] run as the continuation
+    of each cached row (``cache`` None: a first prefill); ``num_micro`` micro-batches (a divisor
+    of B, see :func:`micro_batches`)."""
+    B, T = tokens.shape
+    if B % num_micro:
+        raise ValueError(f"{num_micro} micro-batches do not divide the batch of {B} rows; use micro_batches()")
+    if num_new is None:
+        num_new = jnp.full((B,), T, jnp.int32)
+    if cache is None:
+        starts, rope_len = jnp.zeros((B,), jnp.int32), jnp.max(num_new)
+    else:
+        starts, rope_len = cache.lengths, jnp.maximum(cache.rope_len, jnp.max(cache.lengths + num_new))
+    x_all = jnp.take(weights.outer.embed, tokens, axis=0)
+    step = _Step(config, plan, parallel, num_micro, cache is None)
+    stage = P("stage")
+    k, v = (jnp.zeros(()), jnp.zeros(())) if cache is None else (cache.k, cache.v)
+    cache_spec = P() if cache is None else stage
+    body = jax.shard_map(
+        lambda *a: _stage_body(step, *a), mesh=parallel.placement.mesh,
+        in_specs=(stage, cache_spec, cache_spec, P(), P(), P(), P(), P()),
+        out_specs=(P(), stage, stage), axis_names={"stage"},
+        # Inputs replicated over stage feed per-stage values (axis_index, ppermute): the type
+        # check would need pvary on each; the psum makes the hidden output equal on every stage.
+        check_vma=False,
+    )
+    stacks = ((weights.layers, plan.active()),)
+    if plan.prefix:
+        stacks = ((weights.prefix, plan.prefix_active()),) + stacks
+    hidden, new_k, new_v = body(stacks, k, v, x_all, tokens, starts, num_new, rope_len)
+    x = rms_norm(hidden, weights.outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
+    logits = output_logits(weights.outer, x[:, None, :])[:, 0, :]
+    return logits, StagedNewKV(k=new_k, v=new_v, num_new=num_new, rope_len=rope_len)
+
+
+def _write_slots(k_cache, v_cache, k_new, v_new, m, mb, starts, keep):
+    """Micro-batch ``m``'s new keys/values [slots, mb, T, K, H] written into the stage's caches
+    [slots, B, ...] at ``starts`` [mb] (only where ``keep``)."""
+    def put(cache, new, layout, axis):
+        rows = _rows(cache, m, mb, axis=1)
+        written = jax.vmap(lambda c, n: _write_rows(c, n.transpose(layout), starts, axis))(rows, new)
+        return _put_rows(cache, written, m, keep, axis=1)
+
+    return put(k_cache, k_new, (0, 2, 3, 1), 3), put(v_cache, v_new, (0, 2, 1, 3), 2)
+
+
+def _decode_body(step: _Step, steps: int, stacks, outer: Weights, k_cache, v_cache, first, lengths, rope_len):
+    """The per-stage program of :func:`pipeline_decode`: ``steps`` greedy decode steps of M
+    micro-batches in flight, (steps * M + S - 1) ticks. Returns the tokens [steps, B] and their
+    log-probabilities (summed over stages: zero but on the last) and the stage's caches."""
+    config, S, M = step.config, step.plan.num_stages, step.num_micro
+    stacks = jax.tree.map(lambda a: a[0], stacks)
+    k_cache, v_cache = k_cache[0], v_cache[0]
+    me = jax.lax.axis_index("stage")
+    B, D = first.shape[0], outer.embed.shape[1]
+    mb, total = B // M, steps * M
+    ring = [(s, (s + 1) % S) for s in range(S)]  # activations on to s + 1, sampled tokens back to stage 0
+
+    def tick(carry, t):
+        received, (back_tok, back_m, back_ok), tokens, k_cache, v_cache, out, out_lp = carry
+        # Stage 0 keeps the tokens the last stage sampled a tick ago: micro-batch back_m's next input.
+        tokens = _put_rows(tokens, back_tok, back_m, back_ok & (me == 0))
+        j = jnp.clip(t - me, 0, total - 1)
+        valid = (t - me >= 0) & (t - me < total)
+        m, n = j % M, j // M
+        x = jnp.where(me == 0, jnp.take(outer.embed, _rows(tokens, m, mb), axis=0)[:, None, :], received)
+        starts = _rows(lengths, m, mb) + n
+        now_rope = jnp.maximum(rope_len, jnp.max(lengths) + n + 1)
+        y, (k_new, v_new) = _stage_slots(step, stacks, _rows(k_cache, m, mb, axis=1), _rows(v_cache, m, mb, axis=1),
+                                         x, _rows(tokens, m, mb)[:, None], starts, jnp.ones((mb,), jnp.int32),
+                                         k_cache.shape[4], now_rope)
+        k_cache, v_cache = _write_slots(k_cache, v_cache, k_new, v_new, m, mb, starts, valid)
+        h = rms_norm(y[:, 0], outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
+        logprobs = jax.nn.log_softmax(output_logits(outer, h[:, None, :])[:, 0, :], axis=-1)
+        sampled = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+        last = valid & (me == S - 1)
+
+        def record(buf, value):  # row n, micro-batch m of a [steps, B] buffer (last stage only)
+            row = jax.lax.dynamic_slice_in_dim(buf, n, 1, axis=0)[0]
+            return jax.lax.dynamic_update_slice_in_dim(buf, _put_rows(row, value, m, last)[None], n, axis=0)
+
+        out = record(out, sampled)
+        out_lp = record(out_lp, jnp.max(logprobs, axis=-1))
+        passed, back = jax.lax.ppermute((y, (sampled, m, last)), "stage", ring)
+        return (passed, back, tokens, k_cache, v_cache, out, out_lp), None
+
+    init = (jnp.zeros((mb, 1, D), outer.embed.dtype), (jnp.zeros((mb,), jnp.int32), jnp.int32(0), jnp.bool_(False)),
+            first, k_cache, v_cache, jnp.zeros((steps, B), jnp.int32), jnp.zeros((steps, B), jnp.float32))
+    (_, _, _, k_cache, v_cache, out, out_lp), _ = jax.lax.scan(tick, init, jnp.arange(total + S - 1))
+    return jax.lax.psum(out, "stage"), jax.lax.psum(out_lp, "stage"), k_cache[None], v_cache[None]
+
+
+def pipeline_decode(weights: StagedWeights, config: ModelConfig, plan: StagePlan, parallel: Parallel,
+                    first: jax.Array, cache: StagedKVCache, steps: int, num_micro: int
+                    ) -> tuple[jax.Array, jax.Array, StagedKVCache]:
+    """``steps`` greedy decode steps with micro-batches in flight: the tokens [steps, B] that
+    follow ``first`` [B] (each row's last sampled token, not yet in ``cache``), their
+    log-probabilities [steps, B], and the cache holding every token but the last sampled ones.
+
+    Unlike a step of :func:`pipeline_forward`, which drains the pipeline at the end of every
+    step, this keeps it full: the last stage samples micro-batch m's next token and passes it
+    round to stage 0, which starts that micro-batch's next step while the other micro-batches
+    are still in flight. With M >= S micro-batches no stage waits for a token, and only the first
+    S - 1 and last S - 1 ticks have idle stages: a bubble of (S - 1) / (steps * M + S - 1).
+    Greedy only (the sampling happens inside the loop); the cache must have room for ``steps``
+    more positions per row.
+    """
+    B, S = first.shape[0], plan.num_stages
+    if B % num_micro or num_micro < S:
+        raise ValueError(f"{num_micro} micro-batches for {B} rows on {S} stages: need a divisor of the batch that is "
+                         f">= the stage count, so each stage has a micro-batch in flight")
+    step = _Step(config, plan, parallel, num_micro, False)
+    stacks = ((weights.layers, plan.active()),)
+    if plan.prefix:
+        stacks = ((weights.prefix, plan.prefix_active()),) + stacks
+    stage = P("stage")
+    body = jax.shard_map(
+        lambda *a: _decode_body(step, steps, *a), mesh=parallel.placement.mesh,
+        in_specs=(stage, P(), stage, stage, P(), P(), P()), out_specs=(P(), P(), stage, stage), axis_names={"stage"},
+        check_vma=False,  # as in pipeline_forward
+    )
+    tokens, logprobs, k, v = body(stacks, weights.outer, cache.k, cache.v, first, cache.lengths, cache.rope_len)
+    grown = cache.lengths + steps
+    return tokens, logprobs, StagedKVCache(k=k, v=v, lengths=grown, rope_len=jnp.maximum(cache.rope_len, jnp.max(grown)))

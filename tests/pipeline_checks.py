@@ -1,0 +1,136 @@
+"""Pipeline-parallel checks on 8 faked CPU devices, run in a fresh interpreter by test_pipeline.py.
+
+``python -m tests.pipeline_checks PART`` (XLA_FLAGS set by ``tests.mesh_checks.run_part``) prints
+one JSON object; the tests assert on it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+
+import jax
+import numpy as np
+
+from dayzero.engine.generate import Engine
+from dayzero.engine.sampling import SamplingMode, SamplingParams
+from dayzero.model.config import MoEConfig
+from dayzero.model.parallel import Parallel
+from dayzero.model.pipeline import pipeline_forward, plan_stages, stage_weights, staged_specs
+from dayzero.model.transformer import forward
+from dayzero.model.weights import abstract_weights, init_weights
+from dayzero.sharding.placement import placement_for
+from tests.mesh_checks import PROMPTS, compare, generation, rel_err
+from tests.test_sharding import _tiny_config
+
+# Five layers: stage=2 splits them 3 + 2 and stage=4 2 + 1 + 1 + 1, so padding slots are exercised.
+LAYERS = 5
+
+
+def dense_config():
+    """The tiny Llama-style config with five layers."""
+    return replace(_tiny_config(), num_layers=LAYERS, sliding_windows=(None,) * LAYERS)
+
+
+def moe_config():
+    """Five Mixtral-style MoE layers, 8 experts of width 32, top-2."""
+    moe = MoEConfig(num_experts=8, experts_per_token=2, intermediate_size=32, layers=(True,) * LAYERS)
+    return replace(dense_config(), moe=moe)
+
+
+def pipelined_logits(config, weights, tokens, axes, num_micro) -> tuple[np.ndarray, list]:
+    """Last-token logits of ``tokens`` through the pipeline on a mesh of ``axes``, and the plan."""
+    placement = placement_for(axes)
+    specs = abstract_weights(config)
+    plan = plan_stages(specs, axes["stage"])
+    staged = stage_weights(weights, plan)
+    staged = jax.device_put(staged, placement.shardings(staged_specs(specs, plan)))
+    par = Parallel(placement)
+    run = jax.jit(lambda w, t: pipeline_forward(w, config, plan, par, t, num_micro=num_micro)[0])
+    return np.asarray(run(staged, placement.replicate(np.asarray(tokens)))), [list(r) for r in plan.ranges]
+
+
+def dense_first_config():
+    """DeepSeek-style: one dense first layer, then four MoE layers (the dense one on stage 0)."""
+    config = moe_config()
+    return replace(config, moe=replace(config.moe, layers=(False,) + (True,) * (LAYERS - 1)))
+
+
+CASES = {"dense": (dense_config, {"stage": 2, "tensor": 4}), "moe": (moe_config, {"stage": 4, "expert": 2}),
+         "dense_first": (dense_first_config, {"stage": 2, "tensor": 2, "expert": 2})}
+
+
+def part_forward(case: str) -> dict:
+    """Last-token logits pipelined over 1, 2 and 4 micro-batches against one device."""
+    make, axes = CASES[case]
+    config = make()
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
+    tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, config.vocab_size)
+    ref = np.asarray(jax.jit(lambda w, t: forward(w, config, t)[0])(weights, tokens))
+    out = {}
+    for m in (1, 2, 4):
+        got, ranges = pipelined_logits(config, weights, tokens, axes, m)
+        out[f"m{m}"] = {"err": rel_err(got, ref), "ranges": ranges}
+    return out
+
+
+def part_generate(case: str) -> dict:
+    """Greedy generation of two prompts (two micro-batches) by a pipelined engine against one device."""
+    make, axes = CASES[case]
+    config = make()
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
+    ref = generation(Engine(config, weights))
+    engine = Engine(config, weights, placement=placement_for(axes))
+    out = compare(ref, generation(engine))
+    # In-flight decode in several calls (2 + 2 + 1 steps): each call refills the pipeline from the cache.
+    import dayzero.engine.generate as generate_module
+
+    generate_module.IN_FLIGHT_STEPS = 2
+    out["in_flight"] = engine._in_flight_micro_batches(SamplingMode.GREEDY, len(PROMPTS))
+    out["chunked_same_tokens"] = generation(engine)["tokens"] == ref["tokens"]
+    out["k_cache_spec"] = [str(a) for a in engine._cache_shardings(2, 256).k.spec]
+    out["layer_spec"] = [str(a) for a in engine.weights.layers.attn.q.sharding.spec]
+    return out
+
+
+def part_decode(case: str) -> dict:
+    """Greedy tokens of four prompts from a pipelined prefill then :func:`pipeline_decode` (2 and
+    4 micro-batches in flight) against a one-device engine's."""
+    from dayzero.model.cache import empty_from_specs
+    from dayzero.model.pipeline import append_staged, pipeline_decode, staged_cache_specs
+
+    make, axes = CASES[case]
+    config = make()
+    weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5, 5, 1, 2], [100, 3, 7, 2, 9, 4]]
+    steps = 6
+    ref = np.stack([t for t, _ in Engine(config, weights).stream_ids(prompts, steps + 1, [SamplingParams()] * 4)], 1)
+    placement = placement_for(axes)
+    specs = abstract_weights(config)
+    plan = plan_stages(specs, axes["stage"])
+    staged = jax.device_put(stage_weights(weights, plan), placement.shardings(staged_specs(specs, plan)))
+    par = Parallel(placement)
+    tokens = np.zeros((4, 8), np.int32)
+    for b, row in enumerate(prompts):
+        tokens[b, :len(row)] = row
+    num_new = np.array([len(r) for r in prompts], np.int32)
+    out = {}
+    for m in sorted({axes["stage"], 4}):  # at least one micro-batch in flight per stage
+        shape = (config, plan, 4, 32)
+        cache = empty_from_specs(staged_cache_specs, *shape, np.float32,
+                                 shardings=placement.shardings(staged_cache_specs(*shape)))
+        logits, new = jax.jit(lambda w, t, n: pipeline_forward(w, config, plan, par, t, None, n, num_micro=m))(
+            staged, placement.replicate(tokens), placement.replicate(num_new))
+        cache = jax.jit(append_staged)(cache, new)
+        first = jax.numpy.argmax(logits, -1).astype(np.int32)
+        decoded, _, cache = jax.jit(lambda w, f, c: pipeline_decode(w, config, plan, par, f, c, steps, m))(
+            staged, first, cache)
+        got = np.concatenate([np.asarray(first)[:, None], np.asarray(decoded).T], 1)
+        out[f"m{m}"] = {"same_tokens": got.tolist() == ref.tolist(), "got": got.tolist(), "ref": ref.tolist(),
+                        "lengths": np.asarray(cache.lengths).tolist()}
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(globals()[f"part_{sys.argv[1]}"](*sys.argv[2:])))
