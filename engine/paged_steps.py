@@ -552,6 +552,10 @@ class PagedSteps:
         args = (rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data, np.asarray(steps, np.int32))
         static = dict(mode=mode, top=top, layout=self.sample_layout)
         key = (self.config, self.run, len(rows.temperature), mode, top)
+        if self.sample_layout is not None:
+            # One input layout for every call: a forward's logits come split over the vocabulary
+            # on a mesh, warmup's zeros whole, and one compiled program serves both.
+            logits = jax.device_put(logits, self.sample_layout)
         if masks is None:
             return _sample_rows, ("sample", key), (logits, *self._host(args)), static
         return _sample_masked, ("sample_masked", key), (logits, *self._host((*args, np.asarray(masks, np.uint32)))), static
