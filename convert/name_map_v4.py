@@ -24,7 +24,7 @@ gate rows first); ``tid2eid`` [V,C] is the hash layers' table (the converter sto
 The multi-token-prediction modules (``mtp.{k}.*``, ``num_nextn_predict_layers`` of them; HF
 skips them) are read and kept as ``mtp/{k}/...`` (``dayzero.model.compressed_weights.MTPWeights``), in
 DeepSeek's names whatever the spelling of the rest (see :func:`_mtp`); e_proj / h_proj are
-transposes, their block is mapped as a main layer is. DeepSeek-V3's MTP layers are still skipped.
+transposes, their block is mapped as a main layer is. DeepSeek-V3's MTP layer is kept by `convert/name_map.py` (`model/mtp.py`).
 """
 
 from __future__ import annotations

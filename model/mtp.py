@@ -35,7 +35,7 @@ from dayzero.model.config import Family, ModelConfig
 from dayzero.model.norm import rms_norm
 from dayzero.model.quant import dequantized
 from dayzero.model.rope import rope_cos_sin
-from dayzero.model.transformer import _additions, attention_masks, decoder_layer, output_logits
+from dayzero.model.transformer import _additions, attention_masks, decoder_layer, output_logits, step_frame
 from dayzero.model.weights import IN0, Init, LayerWeights, ParamSpec, Weights, _layer_specs
 
 # The families whose MTP modules dayzero keeps and runs (GLM-4.5/5, MiniMax-M2 skip theirs).
@@ -97,14 +97,7 @@ def nextn_forward(w: NextNWeights, weights: Weights, config: ModelConfig, tokens
     makes the logits) and what ``cache.append_to_cache`` writes."""
     block = nextn_block_config(config)
     B, T = tokens.shape
-    if num_new is None:
-        num_new = jnp.full((B,), T, jnp.int32)
-    if cache is None:
-        starts, rope_len, max_len = jnp.zeros((B,), jnp.int32), jnp.max(num_new), None
-    else:
-        starts, max_len = cache.lengths, cache.max_len
-        rope_len = jnp.maximum(cache.rope_len, jnp.max(starts + num_new))
-    positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    num_new, starts, rope_len, max_len, positions = step_frame(B, T, cache, num_new)
     cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
     masks = attention_masks(starts, num_new, T, max_len, None)
     eps, offset = config.rms_norm_eps, config.norm_weight_offset

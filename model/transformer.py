@@ -265,6 +265,20 @@ def output_logits(weights: Weights, x: jax.Array) -> jax.Array:
     return linear(x, weights.lm_head, out_dtype=jnp.float32)
 
 
+def step_frame(B: int, T: int, cache, num_new: jax.Array | None) -> tuple:
+    """Where a step of T new tokens per row sits after ``cache`` (None: from scratch):
+    (num_new [B], default all T; starts [B]; the RoPE table length; the cache's max_len or None;
+    positions [B,T])."""
+    if num_new is None:
+        num_new = jnp.full((B,), T, jnp.int32)
+    if cache is None:
+        starts, rope_len, max_len = jnp.zeros((B,), jnp.int32), jnp.max(num_new), None
+    else:
+        starts, max_len = cache.lengths, cache.max_len
+        rope_len = jnp.maximum(cache.rope_len, jnp.max(starts + num_new))
+    return num_new, starts, rope_len, max_len, starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+
+
 def forward(
     weights: Weights,
     config: ModelConfig,
@@ -299,14 +313,7 @@ def forward(
     without M-RoPE (no ``rope.mrope_section``: Kimi-K2.5) reads the first axis as plain positions.
     """
     B, T = tokens.shape
-    if num_new is None:
-        num_new = jnp.full((B,), T, jnp.int32)
-    if cache is None:
-        starts, rope_len, max_len = jnp.zeros((B,), jnp.int32), jnp.max(num_new), None
-    else:
-        starts, max_len = cache.lengths, cache.max_len
-        rope_len = jnp.maximum(cache.rope_len, jnp.max(starts + num_new))
-    positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    num_new, starts, rope_len, max_len, positions = step_frame(B, T, cache, num_new)
     if images is not None:
         # A model without M-RoPE (Kimi-K2.5) gets its images' positions equal on the three axes: plain RoPE.
         positions = images.position_ids if config.rope.mrope_section else images.position_ids[0]
