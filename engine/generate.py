@@ -40,7 +40,8 @@ __all__ = ["Completion", "Engine", "GenerationError", "default_dtype", "engine_s
 MIN_PROMPT_BUCKET = 16
 MIN_CACHE_LEN = 256
 # Prompts longer than this are prefilled in chunks of this many tokens (see _prefill_chunks):
-# each chunk scans the whole allocated cache, so smaller chunks cost more attention work.
+# each chunk reads the cache's blocks written so far (model/cache.py fold_blocks), so smaller
+# chunks re-read the same blocks more often.
 PREFILL_CHUNK = 1024
 # Greedy decode steps per call of a pipeline with micro-batches in flight (pipeline_decode): the
 # pipeline fills and drains once per call, a bubble of (S - 1) / (steps * M + S - 1).
@@ -226,7 +227,8 @@ class Engine:
         ``kernels``: reference, pallas or pallas_interpret. ``capacity_factor`` and
         ``grouped_matmul``: the expert-parallel MoE dispatch (``dayzero.model.parallel``).
         ``offload_weights``: hold the decoder layers in host memory, streamed to the device a
-        layer ahead of use (``dayzero.model.offload``). A multimodal checkpoint's ``preprocessor_config.json`` becomes ``image_config``.
+        layer ahead of use (``dayzero.model.offload``). A multimodal checkpoint's
+        ``preprocessor_config.json`` becomes ``image_config``.
         """
         from dayzero.convert import load_checkpoint
         from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization

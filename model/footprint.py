@@ -78,6 +78,7 @@ from dayzero.model.quant import (AUTO, AUTO_KV, AUTO_WEIGHTS, KVQuant, QuantConf
 from dayzero.model.weights import abstract_weights, is_spec_node, leaf_path, mesh_aligned_specs, parameter_count
 from dayzero.sharding.planner import Collective, Component, PlanError, Stage, Tensor, Workload
 from dayzero.sharding.planner_pipeline import FIRST, LAST, LayerSplit
+from dayzero.sharding.distributed import MeshError
 
 _ACCELERATORS = ("gpu", "tpu")
 # Weight schemes by how closely they keep the float values (block scales beat per-channel ones).
@@ -181,7 +182,8 @@ class DecodeFootprint:
     def stage_split(self, stages: int, rows: int, wanted: int) -> tuple[tuple[range, ...], int]:
         """The pipeline's layer ranges over ``stages`` stages and its micro-batches for ``rows``
         rows when ``wanted`` are asked for, as ``model.pipeline`` makes them (``plan_stages``,
-        ``micro_batches``); raises MeshError for more stages than layers."""
+        ``micro_batches``); raises MeshError for more stages than layers, or layers the pipeline
+        cannot stack."""
         return _stage_ranges(self.config, stages), pipeline.micro_batches(rows, wanted)
 
     def pipeline_gap(self, work: Workload, axes: Mapping[str, int]) -> str | None:
@@ -339,7 +341,13 @@ def _cache_part(config: ModelConfig, name: str) -> int:
 
 @functools.lru_cache(maxsize=64)
 def _stage_ranges(config: ModelConfig, stages: int) -> tuple[range, ...]:
-    return tuple(range(a, b) for a, b in pipeline.plan_stages(abstract_weights(config), stages).ranges)
+    try:
+        plan = pipeline.plan_stages(abstract_weights(config), stages)
+    except MeshError:
+        raise
+    except ValueError as e:  # layers the pipeline cannot stack (e.g. more than two kinds): no stage mesh
+        raise MeshError(f"--mesh stage={stages}: {e}") from None
+    return tuple(range(a, b) for a, b in plan.ranges)
 
 
 @functools.lru_cache(maxsize=64)

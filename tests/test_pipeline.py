@@ -89,6 +89,7 @@ def test_dense_first_layers_sit_on_stage_zero():
         pipeline.plan_stages(specs, 6)
 
 
+@pytest.mark.slow  # ~28 s of compiles; the 8-device tests below cover the same code with real stages
 def test_one_stage_pipeline_matches_forward():
     """The pipelined program on a one-device mesh (one stage, micro-batches and padding-free
     slots): the same logits and new keys as ``forward``. The multi-stage schedule is checked on

@@ -206,14 +206,16 @@ def test_prefill_chunks_are_shaped_as_the_serving_engine_shapes_them():
 
 def test_a_prefill_chunk_peaks_above_decode_on_its_scores():
     """Grouped-query attention, one device, 2 kv heads x 2 query heads each, a 256-token chunk over
-    1024 cached positions: the dominant buffers are the fp32 scores [1, K, G*T, S+T], two copies,
+    1024 cached positions: the dominant buffers are the fp32 scores [1, K, G*T, W+T], two copies,
+    W = 512 the cache positions one block of the folded read holds (``model.cache.KEY_BLOCK``),
     beside the layer's gathered pages, keys and values [1, K, S, H] bf16."""
     footprint = DecodeFootprint(_llama(**SCALED))
     p = evaluate(footprint, _work(devices=1, batch=1, context=1024, prefill_chunk=256), {})
-    dominant = 2 * (2 * 2 * 256 * (1024 + 256) * 4) + 2 * (2 * 1024 * 64 * 2)
+    dominant = 2 * (2 * 2 * 256 * (512 + 256) * 4) + 2 * (2 * 1024 * 64 * 2)
     assert p.peak_stage == "prefill: attention over the cache"
-    assert dominant <= p.activation_peaks["prefill"] <= 1.05 * dominant
-    assert p.bytes["activations"] == p.activation_peaks["prefill"] > 20 * p.activation_peaks["decode"]
+    # (the [T, S+T] visibility mask and smaller buffers add ~7% now that the scores are one block wide)
+    assert dominant <= p.activation_peaks["prefill"] <= 1.1 * dominant
+    assert p.bytes["activations"] == p.activation_peaks["prefill"] > 10 * p.activation_peaks["decode"]
 
 
 def test_latent_prefill_scores_split_like_the_cache():
