@@ -13,7 +13,7 @@
 Both move the same unit: one host *row* per page, all of the page's leaves (every layer; values
 and scales of a quantized cache) bit-cast to bytes and concatenated, so a page is one host buffer
 whatever the cache layout; a slot's states are one more row. Which axis of each pool leaf holds
-pages (or slots) is found once, by declaring the pool twice (``paged_cache_specs`` with one more
+pages (or slots) is found once, by declaring the pool twice (``PagedSteps.pool_specs`` with one more
 page, one more slot) and seeing which axis grew, so every layout (per-head pools, latent rows,
 quantized values and scales, V4's entry pages, a hybrid's state rows) goes through one gather
 jit and one scatter jit. Page lists are padded to a power of two (one compile per length bucket):
@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from dayzero.engine.paging import HostPrefixCache
-from dayzero.model.paged_cache import paged_cache_specs
 from dayzero.model.weights import is_spec
 
 HOST_KINDS = ("auto", "pinned_host", "numpy")
@@ -130,9 +129,8 @@ class HostSwap:
     of ``host_cache`` bytes (0: none). ``kind``: where host rows live (:func:`host_memory_kind`)."""
 
     def __init__(self, steps, budget: int, host_cache: int = 0, kind: str = "auto"):
-        s, c = steps.serving, steps.config
-        specs = lambda pages, slots: paged_cache_specs(c, pages, s.page_size, kv_quant=steps.run.kv_cache,  # noqa: E731
-                                                       state_slots=slots)
+        s = steps.serving
+        specs = steps.pool_specs
         self.page_axes = tuple(_grown_axes(specs(s.num_pages, s.slots), specs(s.num_pages + 1, s.slots)))
         self.slot_axes = tuple(_grown_axes(specs(s.num_pages, s.slots), specs(s.num_pages, s.slots + 1)))
         self.steps, self.budget, self.used = steps, budget, 0

@@ -49,6 +49,7 @@ from dayzero.engine.sampling import MAX_TOP_LOGPROBS, RowSampling, SamplingMode,
 from dayzero.engine.sampling import top_logprobs as most_likely
 from dayzero.engine.step_cache import StepCache
 from dayzero.kernels import KernelMode
+from dayzero.model.cache import empty_from_specs
 from dayzero.model.compressed_paged import PagedCompressedCache, page_multiple
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
@@ -56,6 +57,8 @@ from dayzero.model.linear_cache import HybridCache
 from dayzero.model.mrope import ImageInput, continuation
 from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, paged_cache_specs, with_written
 from dayzero.model.parallel import Parallel
+from dayzero.model.pipeline import micro_batches, pipeline_forward
+from dayzero.model.pipeline_paged import serving_stages, staged_paged_specs
 from dayzero.model.transformer import forward
 from dayzero.model.weights import Weights
 
@@ -91,7 +94,10 @@ class ServingConfig:
     device pool; 0: recompute). host_cache_bytes: host memory for a second prefix-cache tier: cached
     prefix pages the device pool evicts are copied there (least recently used out first) and
     copied back on a later prefix match instead of recomputed (``dayzero.engine.kv_swap``; default:
-    as much as the device pool; 0: none; needs ``prefix_cache``).
+    as much as the device pool; 0: none; needs ``prefix_cache``). micro_batches: on a pipeline
+    (``stage``) mesh, the micro-batches a decode step's rows are cut into (at most, a divisor of
+    the batch; default: one per stage), so several are in flight through the stages
+    (``dayzero.model.pipeline``; a prefill chunk, one sequence, is one micro-batch).
     """
 
     slots: int = 8
@@ -108,6 +114,7 @@ class ServingConfig:
     speculative: Any = None
     swap_bytes: int | None = None
     host_cache_bytes: int | None = None
+    micro_batches: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -117,6 +124,7 @@ class ServingConfig:
             (self.state_snapshots is None or self.state_snapshots >= 0, "state_snapshots", "at least 0"),
             (self.swap_bytes is None or self.swap_bytes >= 0, "swap_bytes", "at least 0"),
             (self.host_cache_bytes is None or self.host_cache_bytes >= 0, "host_cache_bytes", "at least 0"),
+            (self.micro_batches is None or self.micro_batches >= 1, "micro_batches", "at least 1"),
             (self.max_context is None or self.max_context >= 2, "max_context", "at least 2"),
             (_pow2(self.min_chunk) and _pow2(self.max_chunk) and self.min_chunk <= self.max_chunk,
              "max_chunk", f"a power of two >= min_chunk={self.min_chunk} (also a power of two)"),
@@ -278,6 +286,12 @@ def _forward_logits(weights, tokens, num_new, cache, images=None, rope_deltas=No
                    all_logits=all_logits)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "plan", "parallel", "num_micro"))
+def _pipeline_logits(weights, tokens, num_new, cache, *, config, plan, parallel, num_micro):
+    # A pipeline (stage) mesh's step: staged weights and page pool, the rows cut into micro-batches.
+    return pipeline_forward(weights, config, plan, parallel, tokens, cache, num_new, num_micro)
+
+
 @functools.partial(jax.jit, static_argnames=("layout",), donate_argnums=(0,))
 def _append(pool, new, layout=None):
     return _pinned(append_to_pages(pool, new), layout)
@@ -392,13 +406,17 @@ class PagedSteps:
         self.config, self.weights, self.serving, self.run = config, weights, serving, run
         self._host = host or (lambda value: jax.tree.map(jnp.asarray, value))
         self.parallel: Parallel | None = run.parallel
-        dtype = weights.embed.dtype
-        specs = paged_cache_specs(config, serving.num_pages, serving.page_size, kv_quant=run.kv_cache,
-                                  state_slots=serving.slots)
+        self.stages = serving_stages(weights)  # a pipeline mesh's StagePlan, or None
+        dtype = (weights.outer if self.stages else weights).embed.dtype
+        specs = self.pool_specs(serving.num_pages, serving.slots)
         self.layout = None if run.placement is None else run.placement.shardings(specs)
         self.sample_layout = None if run.placement is None else run.placement.replicated()
-        self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=dtype,
-                                     kv_quant=run.kv_cache, shardings=self.layout, state_slots=serving.slots)
+        if self.stages:
+            self.pool = empty_from_specs(staged_paged_specs, config, self.stages, serving.num_pages,
+                                         serving.page_size, 1, 1, dtype, shardings=self.layout)
+        else:
+            self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=dtype,
+                                         kv_quant=run.kv_cache, shardings=self.layout, state_slots=serving.slots)
         self.snapshots = None  # copies of slot states at page boundaries (models with per-slot states)
         if serving.prefix_cache and serving.state_snapshots:
             empty = _empty_rows(self.pool.slot_states, serving.state_snapshots)
@@ -407,6 +425,14 @@ class PagedSteps:
         self.shapes_run: set[tuple[int, int, int | None]] = set()  # (B, T, W) of every forward run
         self.samplings_run: set[tuple[int, SamplingMode, bool, int]] = set()  # (B, mode, masked, top) of each
         self.compile_s = 0.0  # seconds of the first call of each step shape (compile, then run)
+
+    def pool_specs(self, num_pages: int, slots: int):
+        """The page pool of ``num_pages`` pages (and ``slots`` state rows) declared abstractly:
+        ``paged_cache_specs``, or on a pipeline mesh stacked by stage (``staged_paged_specs``)."""
+        s = self.serving
+        if self.stages:
+            return staged_paged_specs(self.config, self.stages, num_pages, s.page_size)
+        return paged_cache_specs(self.config, num_pages, s.page_size, kv_quant=self.run.kv_cache, state_slots=slots)
 
     @property
     def kv_bytes(self) -> int:
@@ -476,10 +502,20 @@ class PagedSteps:
             key, extra = key + ("rope_deltas",), (None, self._host(np.asarray(rope_deltas, np.int32)))
         statics = dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
         tokens, num_new, read = self.forward_args(tokens, num_new, lengths, tables, width)
+        if self.stages:  # (no images, no kernels: the pipeline refuses both)
+            fn, statics = self._logits_step(tokens.shape[0])
+            return fn, ("pipeline", key, statics["num_micro"]), (self.weights, tokens, num_new, read), statics
         if self.reads_in_place(width):
             return _forward_in_place, ("in_place", key), (self.weights, tokens, read, num_new, *extra), dict(
                 statics, layout=self.layout)
         return _forward_logits, ("logits", key), (self.weights, tokens, num_new, read, *extra), statics
+
+    def _logits_step(self, batch: int) -> tuple:
+        """(jitted forward that returns logits and new keys/values, its statics) for ``batch`` rows."""
+        if not self.stages:
+            return _forward_logits, dict(config=self.config, kernels=self.run.kernels, parallel=self.parallel)
+        num_micro = micro_batches(batch, self.serving.micro_batches or self.stages.num_stages)
+        return _pipeline_logits, dict(config=self.config, plan=self.stages, parallel=self.parallel, num_micro=num_micro)
 
     @contextlib.contextmanager
     def _compiling(self, signature: tuple):
@@ -530,7 +566,8 @@ class PagedSteps:
         step's working memory beyond weights, pool and outputs."""
         tables = self._slotted(np.zeros((B, self.serving.max_table_pages), np.int32), None)
         args = self.forward_args(np.zeros((B, T)), np.zeros(B), np.zeros(B), tables, width)
-        compiled = _forward_logits.lower(self.weights, *args, config=self.config, parallel=self.parallel).compile()
+        fn, statics = self._logits_step(B)
+        compiled = fn.lower(self.weights, *args, **statics).compile()
         return int(compiled.memory_analysis().temp_size_in_bytes)
 
     def sample(self, logits: jax.Array, rows: RowParams, steps: np.ndarray, mode: SamplingMode,

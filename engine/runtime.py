@@ -295,12 +295,7 @@ def check_page_pool(run: RunConfig, model: ModelConfig, num_pages: int, page_siz
     """Refuse a page pool the kernels cannot address: Pallas Triton computes 32-bit element
     offsets for arrays under 2^32 bytes, so a 1-byte (int8/fp8) pool of 2^31 to 2^32 elements on
     one device would overflow them (``kernels.tiles.pallas_offsets_fit``). Checked on each
-    device's share of the pool, when the pages are made, before anything is allocated. Also
-    refuses a pipeline mesh: the serving engine's paged steps are not staged yet."""
-    if run.placement is not None and run.placement.axes.get("stage", 1) > 1:
-        raise RunConfigError(f"the serving engine does not run pipeline stages yet (--mesh stage="
-                             f"{run.placement.axes['stage']}); serve on tensor/expert/data meshes, or use "
-                             "dayzero generate / Engine.generate with the stage mesh")
+    device's share of the pool, when the pages are made, before anything is allocated."""
     if not run.on_kernels or run.kv_cache is KVQuant.NONE:
         return
     from dayzero.kernels.tiles import pallas_offsets_fit

@@ -203,11 +203,15 @@ def init_paged_cache(
 
 def append_to_pages(cache: PagedKVCache | PagedLatentCache, new: NewKV | NewLatent) -> PagedKVCache | PagedLatentCache:
     """Write one ``forward`` call's keys/values (or latent rows) at each row's length, through its
-    block table, and advance the lengths.
+    block table, and advance the lengths (a pipeline's staged pool: ``pipeline_paged``).
 
     Every page a real token lands in must be in the row's table (the host allocates them
     first). Jit it with the cache donated, apart from ``forward``.
     """
+    from dayzero.model.pipeline_paged import StagedPagedCache, append_staged_pages  # it imports this module
+
+    if isinstance(cache, StagedPagedCache):  # a pipeline mesh's pool: every stage slot's pages
+        return append_staged_pages(cache, new)
     if isinstance(new, NewCompressed):  # DeepSeek-V4: entries into pages, rings and states into slots
         from dayzero.model.compressed_paged import append_to_paged
 

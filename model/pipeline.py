@@ -44,7 +44,9 @@ from jax.sharding import PartitionSpec as P
 
 from dayzero.model.cache import _write_rows
 from dayzero.model.config import AttentionKind, ModelConfig
+from dayzero.model.kernel_attention import gathered
 from dayzero.model.norm import rms_norm
+from dayzero.model.paged_cache import after_input
 from dayzero.model.parallel import Parallel
 from dayzero.model.rope import rope_cos_sin
 from dayzero.model.transformer import attention_masks, decoder_layer, output_logits
@@ -181,12 +183,14 @@ def plan_stages(specs: Weights, num_stages: int) -> StagePlan:
 @struct.dataclass
 class StagedWeights:
     """A model laid out for the pipeline: ``outer`` (embedding, final norm, head; ``layers``
-    empty), ``layers``, one layer tree whose leaves are stacked [S, P, ...], and ``prefix``, the
-    prefix layers stacked [S, prefix, ...] (None without a prefix)."""
+    empty), ``layers``, one layer tree whose leaves are stacked [S, P, ...], ``prefix``, the
+    prefix layers stacked [S, prefix, ...] (None without a prefix), and the ``plan`` that laid
+    them out (static: it travels with the weights into every step that runs them)."""
 
     outer: Weights
     layers: Any
     prefix: Any = None
+    plan: StagePlan | None = struct.field(pytree_node=False, default=None)
 
 
 def _stacked_spec(layer: Any, lead: tuple[int, int]) -> Any:
@@ -199,7 +203,7 @@ def staged_specs(specs: Weights, plan: StagePlan) -> StagedWeights:
     S = plan.num_stages
     prefix = _stacked_spec(specs.layers[0], (S, plan.prefix)) if plan.prefix else None
     return StagedWeights(outer=specs.replace(layers=()), layers=_stacked_spec(specs.layers[-1], (S, plan.slots)),
-                         prefix=prefix)
+                         prefix=prefix, plan=plan)
 
 
 def _stack(layers: tuple, rows: tuple[tuple[int | None, ...], ...], like: Any) -> Any:
@@ -215,7 +219,8 @@ def stage_weights(weights: Weights, plan: StagePlan) -> StagedWeights:
         raise ValueError(f"the weights' layers do not have the plan's {plan.prefix} prefix layers")
     prefix = _stack(weights.layers, plan.prefix_layers(), weights.layers[0]) if plan.prefix else None
     return StagedWeights(outer=weights.replace(layers=()),
-                         layers=_stack(weights.layers, plan.slot_layers(), weights.layers[-1]), prefix=prefix)
+                         layers=_stack(weights.layers, plan.slot_layers(), weights.layers[-1]), prefix=prefix,
+                         plan=plan)
 
 
 @struct.dataclass
@@ -302,11 +307,15 @@ class _Step:
     parallel: Parallel | None
     num_micro: int
     fresh: bool  # no cache to read (a first prefill)
+    paged: bool = False  # the cache is a page pool read through block tables (serving)
 
 
-def _stage_slots(step: _Step, stacks, k_cache, v_cache, x, tokens, starts, num_new, max_len, rope_len):
+def _stage_slots(step: _Step, stacks, k_cache, v_cache, x, tokens, starts, num_new, max_len, rope_len,
+                 tables=None):
     """One micro-batch through this stage's slots (``stacks``: (layers, active) per stack, the
-    prefix first) -> (x, new keys [slots,mb,T,K,H], values)."""
+    prefix first) -> (x, new keys [slots,mb,T,K,H], values). The caches are the micro-batch's
+    rows of the contiguous cache, or with ``step.paged`` the stage's whole page pools, read
+    through the micro-batch's block ``tables`` [mb, W]."""
     config = step.config
     T = x.shape[1]
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
@@ -316,8 +325,11 @@ def _stage_slots(step: _Step, stacks, k_cache, v_cache, x, tokens, starts, num_n
     def slot(x, xs):
         w, on, k, v = xs
         layer_cache = None if step.fresh else (k, v)
+        if step.paged and not step.fresh:  # this slot's pages gathered per row, keys token-major
+            tab = after_input(tables, x)
+            layer_cache = (gathered(k, tab), gathered(v, tab))
         y, (k_new, v_new), _ = decoder_layer(w, config, x, cos_sin, layer_cache, masks, step.parallel,
-                                             tokens=tokens)
+                                             keys_token_major=step.paged, tokens=tokens)
         return jnp.where(on, y, x), (k_new, v_new)
 
     new_k, new_v, first = [], [], 0
@@ -332,11 +344,12 @@ def _stage_slots(step: _Step, stacks, k_cache, v_cache, x, tokens, starts, num_n
     return x, (jnp.concatenate(new_k), jnp.concatenate(new_v))
 
 
-def _stage_body(step: _Step, stacks, k_cache, v_cache, x_all, tokens, starts, num_new, rope_len):
+def _stage_body(step: _Step, stacks, k_cache, v_cache, tables, x_all, tokens, starts, num_new, rope_len):
     """The per-stage program (inside ``shard_map`` over ``stage``): M + S - 1 ticks of running a
     micro-batch through the stage and passing its activations on. Returns the last stage's final
     hidden state of each row's last real token [B, D] (summed over stages: zero elsewhere) and the
-    stage's new keys/values [1, slots, B, T, K, H]."""
+    stage's new keys/values [1, slots, B, T, K, H]. ``tables``: the rows' block tables [B, W]
+    with a paged cache (else unused)."""
     S, M = step.plan.num_stages, step.num_micro
     stacks = jax.tree.map(lambda a: a[0], stacks)
     if not step.fresh:
@@ -346,17 +359,21 @@ def _stage_body(step: _Step, stacks, k_cache, v_cache, x_all, tokens, starts, nu
     mb = B // M
     Pn = step.plan.prefix + step.plan.slots
     K, H = step.config.num_kv_heads, step.config.head_dim
-    max_len = None if step.fresh else v_cache.shape[3]
+    if step.fresh:
+        max_len = None
+    else:  # pages [P, K, pages, page_size, H] read through W-page tables, or rows [P, B, K, L, H]
+        max_len = tables.shape[1] * k_cache.shape[3] if step.paged else v_cache.shape[3]
 
     def tick(carry, t):
         received, out, new_k, new_v = carry
         m = jnp.clip(t - me, 0, M - 1)
         valid = (t - me >= 0) & (t - me < M)
         x = jnp.where(me == 0, _rows(x_all, m, mb), received)
-        ks = None if step.fresh else _rows(k_cache, m, mb, axis=1)
-        vs = None if step.fresh else _rows(v_cache, m, mb, axis=1)
+        ks = None if step.fresh else k_cache if step.paged else _rows(k_cache, m, mb, axis=1)
+        vs = None if step.fresh else v_cache if step.paged else _rows(v_cache, m, mb, axis=1)
         y, (k_new, v_new) = _stage_slots(step, stacks, ks, vs, x, _rows(tokens, m, mb), _rows(starts, m, mb),
-                                         _rows(num_new, m, mb), max_len, rope_len)
+                                         _rows(num_new, m, mb), max_len, rope_len,
+                                         _rows(tables, m, mb) if step.paged and not step.fresh else None)
         new_k = _put_rows(new_k, k_new, m, valid, axis=1)
         new_v = _put_rows(new_v, v_new, m, valid, axis=1)
         last = jnp.clip(_rows(num_new, m, mb) - 1, 0, T - 1)
@@ -376,8 +393,9 @@ def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePla
                      num_micro: int = 1) -> tuple[jax.Array, StagedNewKV]:
     """``transformer.forward`` pipelined over the ``stage`` axis: logits of each row's last real
     token [B, V] and what :func:`append_staged` writes. ``tokens`` [B, T] run as the continuation
-    of each cached row (``cache`` None: a first prefill); ``num_micro`` micro-batches (a divisor
-    of B, see :func:`micro_batches`)."""
+    of each cached row (``cache`` None: a first prefill; a :class:`StagedKVCache`, or a staged page
+    pool read through its block tables, ``dayzero.model.pipeline_paged``); ``num_micro``
+    micro-batches (a divisor of B, see :func:`micro_batches`)."""
     B, T = tokens.shape
     if B % num_micro:
         raise ValueError(f"{num_micro} micro-batches do not divide the batch of {B} rows; use micro_batches()")
@@ -388,13 +406,16 @@ def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePla
     else:
         starts, rope_len = cache.lengths, jnp.maximum(cache.rope_len, jnp.max(cache.lengths + num_new))
     x_all = jnp.take(weights.outer.embed, tokens, axis=0)
-    step = _Step(config, plan, parallel, num_micro, cache is None)
+    paged = hasattr(cache, "block_tables")
+    step = _Step(config, plan, parallel, num_micro, cache is None, paged)
     stage = P("stage")
-    k, v = (jnp.zeros(()), jnp.zeros(())) if cache is None else (cache.k, cache.v)
+    k, v = (jnp.zeros(()), jnp.zeros(())) if cache is None else (cache.k_pages, cache.v_pages) if paged else (
+        cache.k, cache.v)
+    tables = cache.block_tables if paged else jnp.zeros((), jnp.int32)
     cache_spec = P() if cache is None else stage
     body = jax.shard_map(
         lambda *a: _stage_body(step, *a), mesh=parallel.placement.mesh,
-        in_specs=(stage, cache_spec, cache_spec, P(), P(), P(), P(), P()),
+        in_specs=(stage, cache_spec, cache_spec, P(), P(), P(), P(), P(), P()),
         out_specs=(P(), stage, stage), axis_names={"stage"},
         # Inputs replicated over stage feed per-stage values (axis_index, ppermute): the type
         # check would need pvary on each; the psum makes the hidden output equal on every stage.
@@ -403,7 +424,7 @@ def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePla
     stacks = ((weights.layers, plan.active()),)
     if plan.prefix:
         stacks = ((weights.prefix, plan.prefix_active()),) + stacks
-    hidden, new_k, new_v = body(stacks, k, v, x_all, tokens, starts, num_new, rope_len)
+    hidden, new_k, new_v = body(stacks, k, v, tables, x_all, tokens, starts, num_new, rope_len)
     x = rms_norm(hidden, weights.outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
     logits = output_logits(weights.outer, x[:, None, :])[:, 0, :]
     return logits, StagedNewKV(k=new_k, v=new_v, num_new=num_new, rope_len=rope_len)
