@@ -6,7 +6,10 @@ micro-batch. This bench prints that fraction beside the measured time of one jit
 prefill and one decode step of a batch for M = 1, 2, 4, 8, and the time of the same prefill on
 one device for scale. For M >= S it also times ``pipeline_decode``, which keeps the micro-batches
 in flight across decode steps (bubble (S - 1) / (steps * M + S - 1)), per decode step of the
-whole batch.
+whole batch. ``--serve`` adds the serving engine on the same mesh (``ServingEngine`` with
+``ServingConfig(micro_batches=M)``): B requests of the prompt and ``--steps`` new tokens, served
+after a warm-up run, its generated tokens per second (prefill chunks included; each decode step
+cuts its rows into M micro-batches and drains the pipeline at its end).
 
 On faked CPU devices all stages share the host's cores, so the time does not show stages running
 in parallel; it shows the work done: each tick runs B/M rows through every stage, so the step
@@ -14,7 +17,7 @@ time follows (M + S - 1) / M ticks-of-a-full-batch, i.e. it falls with M as the 
 work does, until the micro-batches get too small to use the matmuls well.
 
     python bench/pipeline.py [--stages 4] [--tensor 2] [--layers 8] [--batch 8] [--prompt-len 64]
-                             [--micro 1,2,4,8] [--steps 16] [--repeats 5] [--json bench/pipeline.json]
+                             [--micro 1,2,4,8] [--steps 16] [--repeats 5] [--serve] [--json bench/pipeline.json]
 """
 
 from __future__ import annotations
@@ -59,6 +62,22 @@ def timed(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def served(config, weights, placement, prompts: np.ndarray, new_tokens: int, micro: int) -> dict:
+    """Generated tokens per second of the serving engine on ``placement`` with ``micro``
+    micro-batches a decode step, every prompt a request (timed after a warm-up run)."""
+    from dayzero.engine import Engine, ServingConfig, ServingEngine
+
+    B, T = prompts.shape
+    serving = ServingConfig(slots=B, max_context=T + new_tokens, max_chunk=max(16, 1 << (T - 1).bit_length()),
+                            prefix_cache=False, micro_batches=micro)
+    server = ServingEngine(Engine(config, weights, placement=placement), serving)
+    ids = prompts.tolist()
+    server.run(ids, max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = server.run(ids, max_new_tokens=new_tokens, ignore_eos=True)
+    return {"serve_tok_s": sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)}
+
+
 def main(argv=None) -> int:
     """Run the sweep; print a table and optionally write the JSON record."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=16, help="decode steps per in-flight loop")
+    ap.add_argument("--serve", action="store_true", help="also time the serving engine per micro-batch count")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     config = bench_config(args.layers)
@@ -112,15 +132,17 @@ def main(argv=None) -> int:
             "prefill_ms": 1e3 * timed(prefill, staged, tokens, repeats=args.repeats),
             "decode_ms": 1e3 * timed(decode, staged, step_tokens, cache, repeats=args.repeats),
             **inflight,
+            **(served(config, weights, placement, host_tokens, args.steps, m) if args.serve else {}),
         })
     print(f"stage={args.stages} tensor={args.tensor}, {args.layers} layers {[list(r) for r in plan.ranges]}, "
           f"batch {B}, prompt {T} (8 faked CPU devices on {os.cpu_count()} cores)")
     print(f"{'M':>3} {'ticks':>5} {'bubble':>7} {'prefill ms':>11} {'decode ms':>10} "
-          f"{'in-flight bubble':>17} {'in-flight decode ms':>20}")
+          f"{'in-flight bubble':>17} {'in-flight decode ms':>20} {'serve tok/s':>12}")
     for r in rows:
         print(f"{r['micro_batches']:>3} {r.get('ticks', '-'):>5} {r.get('bubble_fraction', '-'):>7} "
               f"{r['prefill_ms']:>11.1f} {r.get('decode_ms', float('nan')):>10.2f} "
-              f"{r.get('inflight_bubble_fraction', '-'):>17} {r.get('inflight_decode_ms', float('nan')):>20.2f}")
+              f"{r.get('inflight_bubble_fraction', '-'):>17} {r.get('inflight_decode_ms', float('nan')):>20.2f} "
+              f"{r.get('serve_tok_s', float('nan')):>12.1f}")
     if args.json:
         record = {"stages": args.stages, "tensor": args.tensor, "layers": args.layers, "batch": B, "prompt_len": T,
                   "ranges": [list(r) for r in plan.ranges], "cpu_count": os.cpu_count(), "rows": rows}

@@ -259,9 +259,13 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--host-cache", metavar="SIZE",
                    help="host memory for a second prefix-cache tier: cached prefix pages the device pool evicts are "
                         "copied there and back on a later hit, e.g. 8GiB (default: the device pool's size; 0: off)")
-    s.add_argument("--speculative", choices=["ngram"],
-                   help="speculative decoding with n-gram drafts verified per decode step; same output distribution")
+    s.add_argument("--speculative", metavar="ngram|draft:DIR",
+                   help="speculative decoding with n-gram drafts or the converted small model in DIR (same "
+                        "tokenizer), verified per decode step; same output distribution")
     s.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
+    s.add_argument("--micro-batches", type=int, metavar="M",
+                   help="a pipeline (--mesh stage=N) cuts each decode step's rows into M micro-batches in flight "
+                        "through the stages (default: N)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a slot; more answer 429 with Retry-After")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

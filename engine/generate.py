@@ -163,12 +163,15 @@ class Engine:
                               kv_cache=kv_cache, kernels=kernels, placement=placement)
         self.config = config
         self.run = run
-        if weights.lm_head is None and jax.default_backend() == "cpu":
+        self._stages = getattr(weights, "plan", None)  # the pipeline's StagePlan on a mesh with stage > 1
+        if self._stages is not None:  # staged already (a data replica of a pipeline engine): re-placed
+            specs = weight_specs(config, run, weights.outer.lm_head is not None)
+            weights = jax.device_put(weights, run.placement.shardings(pipeline.staged_specs(specs, self._stages)))
+        elif weights.lm_head is None and jax.default_backend() == "cpu":
             # Tied embeddings: XLA:CPU's matvec against the [V,D] embedding took ~6 ms more per
             # SmolLM2 decode step than against a [D,V] copy (34 vs 40 ms), worth V*D more bytes.
             weights = weights.replace(lm_head=self._transposed(weights.embed))
-        self._stages = None  # the pipeline's StagePlan on a mesh with stage > 1
-        if run.placement is not None:  # a no-op for weights loaded straight into their shardings
+        if run.placement is not None and self._stages is None:  # no-op for weights loaded into their shardings
             specs = weight_specs(config, run, weights.lm_head is not None)
             weights = jax.device_put(aligned_weights(weights, specs), run.placement.shardings(specs))
             if run.placement.axes.get("stage", 1) > 1:

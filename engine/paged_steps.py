@@ -158,6 +158,9 @@ class ServingConfig:
                 f"({per_seq} pages of {page_size}); raise num_pages or lower max_context")
         run = self.run_for(model, run)
         check_page_pool(run, model, pages, page_size)
+        if self.micro_batches is not None and (run.placement is None or run.placement.axes.get("stage", 1) == 1):
+            raise GenerationError(f"micro_batches={self.micro_batches} cuts a pipeline's decode steps; it needs a "
+                                  "--mesh with stage > 1: drop it or add a stage axis")
         # A hybrid's linear layers and V4's rings and compressors keep one state per slot beside
         # the pages: their prefix cache needs copies of those states at page boundaries.
         states = model.linear is not None or model.compressed is not None

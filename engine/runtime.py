@@ -32,7 +32,10 @@ What is refused (:func:`resolve_run` raises):
   same limit) over an int8/fp8 page pool of 2^31 to 2^32 elements per device
   (:func:`check_page_pool`, when a serving engine sizes its pool);
 - DeepSeek-V4 (compressed attention): the kernels asked for by name (it has no kernel path yet;
-  ``auto`` resolves to the reference path).
+  ``auto`` resolves to the reference path);
+- on a pipeline mesh (``stage`` > 1), what ``model.pipeline.pipeline_refusal`` names (the
+  kernels asked for by name among them: ``auto`` resolves to the reference path there), and
+  ``--offload-weights``.
 """
 
 from __future__ import annotations
@@ -151,7 +154,9 @@ def resolve_run(model: ModelConfig, *, dtype: Any = None, quantize: WeightQuant 
             "expert > 1 only; add --mesh expert=N or leave them unset (one device uses the platform's matmul)")
     if placement is not None:
         check_placement(model, placement)
-        if mode is not KernelMode.REFERENCE and _spelled(kernels) == "auto" and not _kernels_fit(model, placement):
+        staged = placement.axes.get("stage", 1) > 1  # a pipeline attends on the reference path (pipeline_refusal)
+        fits = not staged and _kernels_fit(model, placement)
+        if mode is not KernelMode.REFERENCE and _spelled(kernels) == "auto" and not fits:
             mode = KernelMode.REFERENCE  # auto: the platform's best that runs on this mesh
         if mode is not KernelMode.REFERENCE:
             _check_kernels_on_mesh(model, placement, mode)

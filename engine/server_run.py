@@ -69,14 +69,14 @@ def serving_config(args: argparse.Namespace):
     from dayzero.engine.paged_steps import ServingConfig
 
     given = {"slots": args.slots, "page_size": args.page_size, "num_pages": args.num_pages,
-             "max_context": args.max_context, "max_chunk": args.max_chunk, "state_snapshots": args.state_snapshots}
+             "max_context": args.max_context, "max_chunk": args.max_chunk, "state_snapshots": args.state_snapshots,
+             "micro_batches": args.micro_batches}
     for flag, field in (("swap_space", "swap_bytes"), ("host_cache", "host_cache_bytes")):
         given[field] = _size(getattr(args, flag, None), "--" + flag.replace("_", "-"))
-    if args.speculative is not None:
-        from dayzero.engine.speculative import SpecConfig
+    if args.speculative is not None:  # as generate's (draft:DIR loads the draft model); serve has no --ngram
+        from dayzero.engine.cli import speculative_config
 
-        spec = {} if args.num_draft_tokens is None else {"num_draft_tokens": args.num_draft_tokens}
-        given["speculative"] = SpecConfig(args.speculative, **spec)
+        given["speculative"] = speculative_config(argparse.Namespace(**{**vars(args), "ngram": None}))
     elif args.num_draft_tokens is not None:
         raise ServeError("--num-draft-tokens sets speculative decoding; add --speculative ngram")
     return ServingConfig(**{k: v for k, v in given.items() if v is not None}, prefix_cache=not args.no_prefix_cache)

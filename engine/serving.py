@@ -97,6 +97,7 @@ class ServingEngine:
         run = config.run_for(engine.config, engine.run)
         self.config = config.resolve(engine.config, run)
         self.steps = PagedSteps(engine.config, engine.weights, self.config, run, host=engine._host)
+        self.draft = serving_spec.draft_pool(self)  # a draft model's page pool (``serving_draft``), or None
         self.pool = PagePool(self.config.num_pages)  # the pages' bookkeeping
         # Which prefixes' slot states are kept (models with per-slot states and a prefix cache).
         self.snapshots = SnapshotPool(self.config.state_snapshots) if self.steps.snapshots is not None else None
@@ -229,7 +230,7 @@ class ServingEngine:
         number of shapes. ``constrained`` / ``top_logprobs``: also the sampling variants with
         token masks / with top logprobs (else compiled when a batch first needs them)."""
         return sum(r.steps.warmup(constrained, top_logprobs) + (r.swap.warmup() if r.swap else 0)
-                   for r in self.replicas)
+                   + (r.draft.warmup() if r.draft else 0) for r in self.replicas)
 
     def cancel(self, request_id: int) -> bool:
         """Stop request ``request_id`` now: it produces no further Event (``stream`` drops the

@@ -14,6 +14,10 @@ only full pages of kept tokens enter the prefix cache.
 Pages for the drafts are taken only while the pool keeps its reserve (one page per running
 request); a row without room drafts fewer tokens. A batch with a constrained request (masks
 are per position) or one asking for top logprobs runs the plain decode step.
+
+With a draft model (``SpecConfig('draft', draft=Engine)``) the drafts come from
+``serving_draft.DraftPool`` instead: the draft model on a page pool of its own, addressed by the
+same block tables, drawing each draft from its distribution q, which the acceptance takes.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
-from dayzero.engine.generate import GenerationError
+from dayzero.engine.draft_model import draft_refusal
+from dayzero.engine.generate import Engine, GenerationError
 from dayzero.engine.paged_steps import _STEPS, RowParams, Sampled, _pinned, sampling_mode
 from dayzero.engine.sampling import RowSampling, SamplingMode
 from dayzero.engine.speculative import DraftKind, SpecConfig, accept_drafts, ngram_draft, speculative_refusal
@@ -37,19 +42,36 @@ def check_serving_speculation(spec, model, run) -> None:
     """Raise :class:`GenerationError` if a serving engine cannot speculate with ``spec``."""
     if not isinstance(spec, SpecConfig):
         raise GenerationError(f"speculative={spec!r} is not a SpecConfig")
-    if spec.kind is not DraftKind.NGRAM:
-        raise GenerationError("serving speculates with the ngram drafter only (a draft model would need its own "
-                              "page pool); use SpecConfig('ngram') or --speculative ngram")
+    if spec.kind is DraftKind.MTP:
+        raise GenerationError("serving speculates with the ngram and draft-model drafters, not mtp (the paged steps "
+                              "do not return the hidden states it reads); use --speculative ngram or draft:DIR")
+    if spec.kind is DraftKind.DRAFT and not isinstance(spec.draft, Engine):
+        raise GenerationError(f"the draft model {spec.draft!r} is not an Engine; pass SpecConfig('draft', "
+                              "draft=Engine.load(DIR))")
     reason = speculative_refusal(model, run)
+    if reason is None and spec.kind is DraftKind.DRAFT:
+        # The draft's vocabulary, and its own steps' roll-back: a draft with per-slot states
+        # (a hybrid, DeepSeek-V4), on a mesh or on the kernels is refused there.
+        reason = draft_refusal(spec.draft, model)
     if reason is not None:
         raise GenerationError(reason)
 
 
+def draft_pool(server: "ServingEngine"):
+    """The draft model's page pool of a ``server`` speculating with a draft model, else None."""
+    spec = server.config.speculative
+    if spec is None or spec.kind is not DraftKind.DRAFT:
+        return None
+    from dayzero.engine.serving_draft import DraftPool
+
+    return DraftPool(server)
+
+
 @functools.partial(jax.jit, static_argnames=("mode", "layout"))
-def _accept(logits, drafts, num_drafts, temperature, top_k, top_p, min_p, keys, steps, *, mode: SamplingMode,
-            layout=None):
+def _accept(logits, drafts, num_drafts, temperature, top_k, top_p, min_p, keys, steps, draft_probs=None, *,
+            mode: SamplingMode, layout=None):
     rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(keys))
-    return _pinned(accept_drafts(logits, drafts, num_drafts, rows, steps, mode), layout)
+    return _pinned(accept_drafts(logits, drafts, num_drafts, rows, steps, mode, draft_probs), layout)
 
 
 def _room(server: "ServingEngine", r: "_Request", wanted: int) -> int:
@@ -62,9 +84,10 @@ def _room(server: "ServingEngine", r: "_Request", wanted: int) -> int:
     return max(0, min(wanted, len(r.pages) * page - r.computed - 1))
 
 
-def drafts_for(server: "ServingEngine", decoding: list["_Request"]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Each decoding request's drafts [B,K] and their counts [B] (B the decode batch), or None
-    when this step decodes plainly (no drafts, or a row that needs per-token masks or top logprobs)."""
+def drafts_for(server: "ServingEngine", decoding: list["_Request"]) -> tuple | None:
+    """Each decoding request's drafts [B,K] and their counts [B] (B the decode batch), then with
+    a draft model their distributions q [B,K,V] (None for a greedy batch), or None when this step
+    decodes plainly (no drafts, or a row that needs per-token masks or top logprobs)."""
     spec: SpecConfig = server.config.speculative
     if any(r.constraint is not None or r.top_logprobs for r in decoding):
         return None
@@ -73,15 +96,22 @@ def drafts_for(server: "ServingEngine", decoding: list["_Request"]) -> tuple[np.
     drafts, counts = np.zeros((B, K), np.int32), np.zeros(B, np.int32)
     for row, r in enumerate(decoding):
         wanted = min(K, r.max_new_tokens - r.generated - 1)
+        if server.draft is not None:  # the draft model drafts as many as the pages hold
+            counts[row] = _room(server, r, wanted) if wanted > 0 else 0
+            continue
         d = ngram_draft(np.asarray(r.tokens, np.int32), wanted, min_n, max_n) if wanted > 0 else []
         d = d[: _room(server, r, len(d))] if len(d) else d
         drafts[row, : len(d)], counts[row] = d, len(d)
-    return (drafts, counts) if counts.any() else None
+    if not counts.any():
+        return None
+    return (drafts, counts) if server.draft is None else server.draft.propose(decoding, counts)
 
 
-def verify(server: "ServingEngine", decoding: list["_Request"], drafts: np.ndarray, counts: np.ndarray) -> list:
-    """One verify step for ``decoding`` with ``drafts`` [B,K] (``counts`` [B] real): each row
-    emits its accepted drafts and one token of the target's own; returns the Events."""
+def verify(server: "ServingEngine", decoding: list["_Request"], drafts: np.ndarray, counts: np.ndarray,
+           draft_probs: jax.Array | None = None) -> list:
+    """One verify step for ``decoding`` with ``drafts`` [B,K] (``counts`` [B] real; drawn from
+    ``draft_probs`` [B,K,V], None: point masses): each row emits its accepted drafts and one
+    token of the target's own; returns the Events."""
     B, K = drafts.shape
     tokens, num_new, lengths, slots = (np.zeros((B, K + 1), np.int32), np.zeros(B, np.int32),
                                        np.zeros(B, np.int32), np.zeros(B, np.int32))
@@ -98,10 +128,12 @@ def verify(server: "ServingEngine", decoding: list["_Request"], drafts: np.ndarr
     generated[: len(decoding)] = [r.generated for r in decoding]
     mode = sampling_mode(params)
     args = steps_._host((drafts, counts, rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data,
-                         generated))
-    out = _STEPS.call(_accept, ("accept", server.engine.config, steps_.run, B, K, mode), logits, *args,
-                      static=dict(mode=mode, layout=steps_.sample_layout))
+                         generated)) + (() if draft_probs is None else (draft_probs,))
+    out = _STEPS.call(_accept, ("accept", server.engine.config, steps_.run, B, K, mode, draft_probs is not None),
+                      logits, *args, static=dict(mode=mode, layout=steps_.sample_layout))
     out_tokens, out_logprobs, accepted = (np.asarray(x) for x in out)
+    if server.draft is not None:  # before the rows' tokens grow: the draft keeps what it was fed and was accepted
+        server.draft.advance(decoding, counts, accepted)
     server.stats.decode_steps += 1
     events = []
     for row, r in enumerate(decoding):

@@ -26,9 +26,22 @@ constraint). Other stages hold that stack as zero padding ([S, Q, ...] with Q pr
 which costs them Q dense layers of memory: small beside MoE layers, and what keeps every stage
 one program. MTP modules are not run by the engine and stay outside the pipeline, in ``outer``.
 
+Caches. A stage slot's cache is the layer's cache tuple as ``decoder_layer`` reads and returns
+it: (keys, values) for softmax attention, (latent rows,) for multi-head latent attention (MLA,
+DeepSeek-V3, Kimi-K2). :class:`StagedKVCache` stacks each buffer of that tuple [S, Q + P, ...],
+declared from ``cache.cache_specs`` and written by ``cache.append_to_cache`` applied per slot, so
+one implementation runs both kinds (the paged form is ``dayzero.model.pipeline_paged``). On a
+mesh, MLA's split latent attention nests its own ``shard_map`` as the MoE block does.
+
+Quantized weights (int8, fp8, fp8-block, int4, MXFP4; ``dayzero.model.quant.QuantizedArray``)
+stack like float ones: values and scales each get the [S, P] lead, and the static layout
+metadata (``in_axes``, ``block``) keeps describing one layer, which is what the stage body
+computes with once it has sliced off the stage and slot axes.
+
 What it covers is what :func:`pipeline_refusal` does not refuse: softmax attention (GQA/MHA, one
-window for every layer), dense or MoE MLPs (a dense prefix then MoE), a float contiguous KV
-cache, the reference attention. Each refusal is one sentence naming the feature.
+window for every layer) or MLA without a sparse indexer, dense or MoE MLPs (a dense prefix then
+MoE), float or quantized weights, a float KV cache, the reference attention. Each refusal is
+one sentence naming the feature.
 """
 
 from __future__ import annotations
@@ -42,12 +55,13 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import PartitionSpec as P
 
-from dayzero.model.cache import _write_rows
-from dayzero.model.config import AttentionKind, ModelConfig
+from dayzero.model.cache import KVCache, LatentCache, NewKV, NewLatent, append_to_cache, cache_specs
+from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import gathered
 from dayzero.model.norm import rms_norm
 from dayzero.model.paged_cache import after_input
 from dayzero.model.parallel import Parallel
+from dayzero.model.quant import NIBBLE_TYPES
 from dayzero.model.rope import rope_cos_sin
 from dayzero.model.transformer import attention_masks, decoder_layer, output_logits
 from dayzero.model.weights import ParamSpec, Weights, is_spec, map_specs
@@ -59,7 +73,8 @@ def pipeline_refusal(config: ModelConfig, axes: Mapping[str, int], *, kernels: A
                      quantized: bool = False, kv_quantized: bool = False) -> str | None:
     """Why ``config`` cannot run pipelined on a mesh of these axis sizes (None: it can, or the
     mesh has no ``stage`` axis > 1). ``kernels``: the resolved attention mode (None or the
-    reference path is fine); ``quantized`` / ``kv_quantized``: weights / KV cache not float."""
+    reference path is fine); ``kv_quantized``: the KV cache is not float; ``quantized``: the
+    weights are not (accepted: every weight format runs pipelined)."""
     stages = int(axes.get("stage", 1))
     if stages <= 1:
         return None
@@ -67,7 +82,7 @@ def pipeline_refusal(config: ModelConfig, axes: Mapping[str, int], *, kernels: A
     if stages > config.num_layers:
         return f"{mesh} is more stages than the model's {config.num_layers} decoder layers; use stage <= {config.num_layers}"
     unsupported = [
-        (config.attention is AttentionKind.MLA or config.mla is not None, "multi-head latent attention"),
+        (config.dsa is not None, "DeepSeek sparse attention (DeepSeek-V3.2's indexer)"),
         (config.compressed is not None, "DeepSeek-V4's compressed attention"),
         (config.linear is not None, "hybrid linear-attention layers"),
         (config.hyper is not None, "hyper-connections"),
@@ -75,7 +90,6 @@ def pipeline_refusal(config: ModelConfig, axes: Mapping[str, int], *, kernels: A
         (len(set(config.sliding_windows)) > 1, "layers with different attention windows"),
         (config.moe is not None and _interleaved(config.moe.layers),
          "dense and MoE layers interleaved (dense first layers, then MoE, are supported)"),
-        (quantized, "quantized weights"),
         (kv_quantized, "a quantized KV cache"),
         (kernels is not None and getattr(kernels, "value", kernels) not in ("reference", "auto"),
          "the Pallas attention kernels"),
@@ -137,9 +151,16 @@ class StagePlan:
 
 
 def _spec_bytes(tree: Any) -> int:
-    """Parameter bytes of a tree of ``ParamSpec`` (4 bytes an element where no dtype is set)."""
-    leaves = jax.tree.leaves(tree, is_leaf=is_spec)
-    return sum(math.prod(s.shape) * (s.dtype.itemsize if s.dtype is not None else 4) for s in leaves)
+    """Parameter bytes of a tree of ``ParamSpec`` (4 bytes an element where no dtype is set). A
+    quantized leaf's values and scales are both specs, counted at their stored dtypes, 4-bit values
+    at half a byte (as ``quant.stored_bytes`` counts arrays)."""
+    def one(s: ParamSpec) -> int:
+        n = math.prod(s.shape)
+        if s.dtype is None:
+            return 4 * n
+        return -(-n // 2) if jnp.dtype(s.dtype) in NIBBLE_TYPES else n * jnp.dtype(s.dtype).itemsize
+
+    return sum(one(s) for s in jax.tree.leaves(tree, is_leaf=is_spec))
 
 
 def _kind(layer: Any) -> Any:
@@ -193,16 +214,18 @@ class StagedWeights:
     plan: StagePlan | None = struct.field(pytree_node=False, default=None)
 
 
-def _stacked_spec(layer: Any, lead: tuple[int, int]) -> Any:
-    return map_specs(lambda s: dataclasses.replace(s, shape=lead + s.shape, axes=("stage", None) + s.axes), layer)
+def stacked_spec(tree: Any, lead: tuple[int, int]) -> Any:
+    """``tree`` (per-layer specs: weights or cache buffers) with the [S, slots] lead prepended to
+    every ``ParamSpec`` under the logical axes ("stage", None)."""
+    return map_specs(lambda s: dataclasses.replace(s, shape=lead + s.shape, axes=("stage", None) + s.axes), tree)
 
 
 def staged_specs(specs: Weights, plan: StagePlan) -> StagedWeights:
     """The abstract tree of :class:`StagedWeights`: each layer leaf [S, slots, ...] with logical
-    axes ("stage", None, ...), from the per-layer specs."""
+    axes ("stage", None, ...), from the per-layer specs (a quantized leaf's values and scales alike)."""
     S = plan.num_stages
-    prefix = _stacked_spec(specs.layers[0], (S, plan.prefix)) if plan.prefix else None
-    return StagedWeights(outer=specs.replace(layers=()), layers=_stacked_spec(specs.layers[-1], (S, plan.slots)),
+    prefix = stacked_spec(specs.layers[0], (S, plan.prefix)) if plan.prefix else None
+    return StagedWeights(outer=specs.replace(layers=()), layers=stacked_spec(specs.layers[-1], (S, plan.slots)),
                          prefix=prefix, plan=plan)
 
 
@@ -225,55 +248,77 @@ def stage_weights(weights: Weights, plan: StagePlan) -> StagedWeights:
 
 @struct.dataclass
 class StagedKVCache:
-    """The contiguous KV cache stacked like the layers: keys [S, Q + P, B, K, H, L], values
-    [S, Q + P, B, K, L, H] (Q prefix then P main slots, each in ``KVCache``'s layouts), lengths
-    [B], ``rope_len``."""
+    """The contiguous cache stacked like the layers: each buffer of one layer's cache tuple
+    (``KVCache.layer``: keys [B, K, H, L] and values [B, K, L, H]; ``LatentCache.layer``: latent
+    rows [B, L, C] with ``latent``) as [S, Q + P, ...] (Q prefix then P main slots), lengths [B],
+    ``rope_len``."""
 
-    k: jax.Array
-    v: jax.Array
+    buffers: tuple[jax.Array, ...]
     lengths: jax.Array
     rope_len: jax.Array
+    latent: bool = struct.field(pytree_node=False, default=False)
 
     @property
     def max_len(self) -> int:
-        """L, the positions each row can hold."""
-        return self.v.shape[4]
+        """L, the positions each row can hold (axis 1 of a latent row buffer, 2 of the values)."""
+        return self.buffers[-1].shape[3 if self.latent else 4]
 
 
 @struct.dataclass
 class StagedNewKV:
-    """What one pipelined call adds: keys and values [S, Q + P, B, T, K, H], per-row real tokens."""
+    """What one pipelined call adds: per buffer of a layer's cache tuple its new rows
+    [S, Q + P, B, T, ...] as ``decoder_layer`` returns them, per-row real tokens, ``rope_len``."""
 
-    k: jax.Array
-    v: jax.Array
+    rows: tuple[jax.Array, ...]
     num_new: jax.Array
     rope_len: jax.Array
 
 
+def layer_cache(latent: bool, buffers: tuple, lengths: jax.Array, rope_len: jax.Array) -> KVCache | LatentCache:
+    """One layer's contiguous cache over ``buffers`` (its cache tuple): the form
+    ``cache.append_to_cache`` writes, so that a stage slot is written as any layer is."""
+    if latent:
+        return LatentCache(latent=buffers[:1], lengths=lengths, rope_len=rope_len)
+    return KVCache(k=buffers[:1], v=buffers[1:], lengths=lengths, rope_len=rope_len)
+
+
+def layer_new(latent: bool, rows: tuple, num_new: jax.Array, rope_len: jax.Array) -> NewKV | NewLatent:
+    """One layer's new rows (as ``decoder_layer`` returns them) in the form the cache writes take."""
+    if latent:
+        return NewLatent(latent=rows[:1], num_new=num_new, rope_len=rope_len)
+    return NewKV(k=rows[:1], v=rows[1:], num_new=num_new, rope_len=rope_len)
+
+
+def _row_dims(config: ModelConfig) -> tuple[tuple[int, ...], ...]:
+    """Per buffer of a layer's cache tuple, the trailing dims of one token's new row."""
+    if config.mla is not None:
+        return ((config.mla.kv_lora_rank + config.mla.rope_dim,),)
+    return ((config.num_kv_heads, config.head_dim),) * 2
+
+
 def staged_cache_specs(config: ModelConfig, plan: StagePlan, batch: int, max_len: int) -> StagedKVCache:
-    """The staged cache declared abstractly (a ``ParamSpec`` at every leaf; zeros)."""
-    K, H, SP = config.num_kv_heads, config.head_dim, (plan.num_stages, plan.prefix + plan.slots)
-    lead = ("stage", None, "batch", "kv_heads")
-    return StagedKVCache(
-        k=ParamSpec(SP + (batch, K, H, max_len), lead + ("head_dim", "cache_seq")),
-        v=ParamSpec(SP + (batch, K, max_len, H), lead + ("cache_seq", "head_dim")),
-        lengths=ParamSpec((batch,), ("batch",), dtype=jnp.dtype(jnp.int32)),
-        rope_len=ParamSpec((), (), dtype=jnp.dtype(jnp.int32)),
-    )
+    """The staged cache declared abstractly (a ``ParamSpec`` at every leaf; zeros): one layer's
+    buffers as ``cache.cache_specs`` declares them, stacked behind ("stage", None)."""
+    flat = cache_specs(config, batch, max_len)
+    return StagedKVCache(buffers=stacked_spec(flat.layer(0), (plan.num_stages, plan.prefix + plan.slots)),
+                         lengths=flat.lengths, rope_len=flat.rope_len, latent=config.mla is not None)
+
+
+def _written(latent: bool, buffers: tuple, rows: tuple, starts: jax.Array) -> tuple:
+    """Each slot's new rows [slots, B, T, ...] written into its buffers [slots, B, ...] at ``starts``
+    [B]: ``append_to_cache`` of one layer, per slot."""
+    def one(layer_buffers, layer_rows):
+        layer = layer_cache(latent, layer_buffers, starts, jnp.zeros((), jnp.int32))
+        return append_to_cache(layer, layer_new(latent, layer_rows, jnp.zeros_like(starts), layer.rope_len)).layer(0)
+
+    return jax.vmap(one)(buffers, rows)
 
 
 def append_staged(cache: StagedKVCache, new: StagedNewKV) -> StagedKVCache:
-    """Write one pipelined call's keys/values at each row's length and advance the lengths (the
-    staged form of ``cache.append_to_cache``; jit it with the cache donated)."""
-    starts = cache.lengths
-
-    def write(buf, rows, axis):  # one slot: buf [B, ...], rows in its layout
-        return _write_rows(buf, rows, starts, axis)
-
-    both = jax.vmap(jax.vmap(write, in_axes=(0, 0, None)), in_axes=(0, 0, None))
-    k = both(cache.k, new.k.transpose(0, 1, 2, 4, 5, 3), 3)
-    v = both(cache.v, new.v.transpose(0, 1, 2, 4, 3, 5), 2)
-    return StagedKVCache(k=k, v=v, lengths=starts + new.num_new, rope_len=new.rope_len)
+    """Write one pipelined call's rows at each row's length and advance the lengths (the staged
+    form of ``cache.append_to_cache``; jit it with the cache donated)."""
+    buffers = jax.vmap(lambda b, r: _written(cache.latent, b, r, cache.lengths))(cache.buffers, new.rows)
+    return cache.replace(buffers=buffers, lengths=cache.lengths + new.num_new, rope_len=new.rope_len)
 
 
 def micro_batches(batch: int, wanted: int) -> int:
@@ -295,7 +340,8 @@ def _rows(x: jax.Array, m: jax.Array, mb: int, axis: int = 0) -> jax.Array:
 def _put_rows(buf: jax.Array, rows: jax.Array, m: jax.Array, keep: jax.Array, axis: int = 0) -> jax.Array:
     """``buf`` with micro-batch ``m``'s rows replaced by ``rows`` where ``keep`` (a scalar bool)."""
     old = _rows(buf, m, rows.shape[axis], axis)
-    return jax.lax.dynamic_update_slice_in_dim(buf, jnp.where(keep, rows, old), m * rows.shape[axis], axis=axis)
+    rows = jnp.where(keep, rows.astype(buf.dtype), old)
+    return jax.lax.dynamic_update_slice_in_dim(buf, rows, m * rows.shape[axis], axis=axis)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,84 +354,79 @@ class _Step:
     num_micro: int
     fresh: bool  # no cache to read (a first prefill)
     paged: bool = False  # the cache is a page pool read through block tables (serving)
+    max_len: int | None = None  # the positions a cached row can hold (None when fresh)
 
 
-def _stage_slots(step: _Step, stacks, k_cache, v_cache, x, tokens, starts, num_new, max_len, rope_len,
-                 tables=None):
+def _stage_slots(step: _Step, stacks, caches, x, tokens, starts, num_new, rope_len, tables=None):
     """One micro-batch through this stage's slots (``stacks``: (layers, active) per stack, the
-    prefix first) -> (x, new keys [slots,mb,T,K,H], values). The caches are the micro-batch's
-    rows of the contiguous cache, or with ``step.paged`` the stage's whole page pools, read
-    through the micro-batch's block ``tables`` [mb, W]."""
+    prefix first) -> (x, per cache buffer the new rows [slots, mb, T, ...]). ``caches``: per
+    buffer the micro-batch's rows of the contiguous cache [slots, mb, ...], or with
+    ``step.paged`` the stage's whole page pools, read through the micro-batch's block
+    ``tables`` [mb, W]; () when fresh."""
     config = step.config
     T = x.shape[1]
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
-    masks = attention_masks(starts, num_new, T, None if step.fresh else max_len, config.sliding_windows[0])
+    masks = attention_masks(starts, num_new, T, step.max_len, config.sliding_windows[0])
 
     def slot(x, xs):
-        w, on, k, v = xs
-        layer_cache = None if step.fresh else (k, v)
-        if step.paged and not step.fresh:  # this slot's pages gathered per row, keys token-major
+        w, on, buffers = xs
+        cached = None if step.fresh else buffers
+        if step.paged and not step.fresh:  # this slot's pages gathered per row (keys token-major)
             tab = after_input(tables, x)
-            layer_cache = (gathered(k, tab), gathered(v, tab))
-        y, (k_new, v_new), _ = decoder_layer(w, config, x, cos_sin, layer_cache, masks, step.parallel,
-                                             keys_token_major=step.paged, tokens=tokens)
-        return jnp.where(on, y, x), (k_new, v_new)
+            cached = tuple(gathered(b, tab) for b in buffers)
+        y, new, _ = decoder_layer(w, config, x, cos_sin, cached, masks, step.parallel,
+                                  keys_token_major=step.paged, tokens=tokens)
+        return jnp.where(on, y, x), tuple(new)
 
-    new_k, new_v, first = [], [], 0
+    added, first = [], 0
     for layers, active in stacks:  # the prefix stack's slots come first in the cache
         n = active.shape[0]
-        if step.fresh:
-            caches = (jnp.zeros((n,)), jnp.zeros((n,)))
-        else:
-            caches = (k_cache[first:first + n], v_cache[first:first + n])
-        x, (k, v) = jax.lax.scan(slot, x, (layers, active, *caches))
-        new_k, new_v, first = new_k + [k], new_v + [v], first + n
-    return x, (jnp.concatenate(new_k), jnp.concatenate(new_v))
+        x, new = jax.lax.scan(slot, x, (layers, active, tuple(c[first:first + n] for c in caches)))
+        added, first = added + [new], first + n
+    return x, tuple(jnp.concatenate(parts) for parts in zip(*added))
 
 
-def _stage_body(step: _Step, stacks, k_cache, v_cache, tables, x_all, tokens, starts, num_new, rope_len):
+def _stage_body(step: _Step, stacks, caches, tables, x_all, tokens, starts, num_new, rope_len):
     """The per-stage program (inside ``shard_map`` over ``stage``): M + S - 1 ticks of running a
     micro-batch through the stage and passing its activations on. Returns the last stage's final
-    hidden state of each row's last real token [B, D] (summed over stages: zero elsewhere) and the
-    stage's new keys/values [1, slots, B, T, K, H]. ``tables``: the rows' block tables [B, W]
-    with a paged cache (else unused)."""
+    hidden state of each row's last real token [B, D] (summed over stages: zero elsewhere) and,
+    per cache buffer, the stage's new rows [1, slots, B, T, ...]. ``tables``: the rows' block
+    tables [B, W] with a paged cache (else unused)."""
     S, M = step.plan.num_stages, step.num_micro
     stacks = jax.tree.map(lambda a: a[0], stacks)
-    if not step.fresh:
-        k_cache, v_cache = k_cache[0], v_cache[0]  # [P, B, ...]
+    caches = tuple(c[0] for c in caches)  # [slots, B, ...] rows, or [slots, *pool] pages
     me = jax.lax.axis_index("stage")
     B, T, D = x_all.shape
     mb = B // M
     Pn = step.plan.prefix + step.plan.slots
-    K, H = step.config.num_kv_heads, step.config.head_dim
-    if step.fresh:
-        max_len = None
-    else:  # pages [P, K, pages, page_size, H] read through W-page tables, or rows [P, B, K, L, H]
-        max_len = tables.shape[1] * k_cache.shape[3] if step.paged else v_cache.shape[3]
 
     def tick(carry, t):
-        received, out, new_k, new_v = carry
+        received, out, new = carry
         m = jnp.clip(t - me, 0, M - 1)
         valid = (t - me >= 0) & (t - me < M)
         x = jnp.where(me == 0, _rows(x_all, m, mb), received)
-        ks = None if step.fresh else k_cache if step.paged else _rows(k_cache, m, mb, axis=1)
-        vs = None if step.fresh else v_cache if step.paged else _rows(v_cache, m, mb, axis=1)
-        y, (k_new, v_new) = _stage_slots(step, stacks, ks, vs, x, _rows(tokens, m, mb), _rows(starts, m, mb),
-                                         _rows(num_new, m, mb), max_len, rope_len,
-                                         _rows(tables, m, mb) if step.paged and not step.fresh else None)
-        new_k = _put_rows(new_k, k_new, m, valid, axis=1)
-        new_v = _put_rows(new_v, v_new, m, valid, axis=1)
+        mine = caches if step.paged else tuple(_rows(c, m, mb, axis=1) for c in caches)
+        y, added = _stage_slots(step, stacks, mine, x, _rows(tokens, m, mb), _rows(starts, m, mb),
+                                _rows(num_new, m, mb), rope_len,
+                                _rows(tables, m, mb) if step.paged and not step.fresh else None)
+        new = tuple(_put_rows(b, a, m, valid, axis=1) for b, a in zip(new, added))
         last = jnp.clip(_rows(num_new, m, mb) - 1, 0, T - 1)
         y_last = jnp.take_along_axis(y, last[:, None, None], axis=1)[:, 0]
         out = _put_rows(out, y_last, m, valid & (me == S - 1))
         passed = jax.lax.ppermute(y, "stage", [(s, s + 1) for s in range(S - 1)])
-        return (passed, out, new_k, new_v), None
+        return (passed, out, new), None
 
     init = (jnp.zeros((mb, T, D), x_all.dtype), jnp.zeros((B, D), x_all.dtype),
-            jnp.zeros((Pn, B, T, K, H), x_all.dtype), jnp.zeros((Pn, B, T, K, H), x_all.dtype))
-    (_, out, new_k, new_v), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
-    return jax.lax.psum(out, "stage"), new_k[None], new_v[None]
+            tuple(jnp.zeros((Pn, B, T) + dims, x_all.dtype) for dims in _row_dims(step.config)))
+    (_, out, new), _ = jax.lax.scan(tick, init, jnp.arange(M + S - 1))
+    return jax.lax.psum(out, "stage"), tuple(n[None] for n in new)
+
+
+def _stacks(weights: StagedWeights, plan: StagePlan) -> tuple:
+    """(layers, active) per stack, the prefix stack first."""
+    stacks = ((weights.layers, plan.active()),)
+    return ((weights.prefix, plan.prefix_active()),) + stacks if plan.prefix else stacks
 
 
 def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePlan, parallel: Parallel,
@@ -407,54 +448,39 @@ def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePla
         starts, rope_len = cache.lengths, jnp.maximum(cache.rope_len, jnp.max(cache.lengths + num_new))
     x_all = jnp.take(weights.outer.embed, tokens, axis=0)
     paged = hasattr(cache, "block_tables")
-    step = _Step(config, plan, parallel, num_micro, cache is None, paged)
+    step = _Step(config, plan, parallel, num_micro, cache is None, paged, None if cache is None else cache.max_len)
     stage = P("stage")
-    k, v = (jnp.zeros(()), jnp.zeros(())) if cache is None else (cache.k_pages, cache.v_pages) if paged else (
-        cache.k, cache.v)
+    caches = () if cache is None else cache.pages if paged else cache.buffers
     tables = cache.block_tables if paged else jnp.zeros((), jnp.int32)
-    cache_spec = P() if cache is None else stage
     body = jax.shard_map(
         lambda *a: _stage_body(step, *a), mesh=parallel.placement.mesh,
-        in_specs=(stage, cache_spec, cache_spec, P(), P(), P(), P(), P(), P()),
-        out_specs=(P(), stage, stage), axis_names={"stage"},
+        in_specs=(stage, stage, P(), P(), P(), P(), P(), P()),
+        out_specs=(P(), stage), axis_names={"stage"},
         # Inputs replicated over stage feed per-stage values (axis_index, ppermute): the type
         # check would need pvary on each; the psum makes the hidden output equal on every stage.
         check_vma=False,
     )
-    stacks = ((weights.layers, plan.active()),)
-    if plan.prefix:
-        stacks = ((weights.prefix, plan.prefix_active()),) + stacks
-    hidden, new_k, new_v = body(stacks, k, v, tables, x_all, tokens, starts, num_new, rope_len)
+    hidden, rows = body(_stacks(weights, plan), caches, tables, x_all, tokens, starts, num_new, rope_len)
     x = rms_norm(hidden, weights.outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
     logits = output_logits(weights.outer, x[:, None, :])[:, 0, :]
-    return logits, StagedNewKV(k=new_k, v=new_v, num_new=num_new, rope_len=rope_len)
+    return logits, StagedNewKV(rows=rows, num_new=num_new, rope_len=rope_len)
 
 
-def _write_slots(k_cache, v_cache, k_new, v_new, m, mb, starts, keep):
-    """Micro-batch ``m``'s new keys/values [slots, mb, T, K, H] written into the stage's caches
-    [slots, B, ...] at ``starts`` [mb] (only where ``keep``)."""
-    def put(cache, new, layout, axis):
-        rows = _rows(cache, m, mb, axis=1)
-        written = jax.vmap(lambda c, n: _write_rows(c, n.transpose(layout), starts, axis))(rows, new)
-        return _put_rows(cache, written, m, keep, axis=1)
-
-    return put(k_cache, k_new, (0, 2, 3, 1), 3), put(v_cache, v_new, (0, 2, 1, 3), 2)
-
-
-def _decode_body(step: _Step, steps: int, stacks, outer: Weights, k_cache, v_cache, first, lengths, rope_len):
+def _decode_body(step: _Step, steps: int, stacks, outer: Weights, caches, first, lengths, rope_len):
     """The per-stage program of :func:`pipeline_decode`: ``steps`` greedy decode steps of M
     micro-batches in flight, (steps * M + S - 1) ticks. Returns the tokens [steps, B] and their
-    log-probabilities (summed over stages: zero but on the last) and the stage's caches."""
+    log-probabilities (summed over stages: zero but on the last) and the stage's cache buffers."""
     config, S, M = step.config, step.plan.num_stages, step.num_micro
+    latent = config.mla is not None
     stacks = jax.tree.map(lambda a: a[0], stacks)
-    k_cache, v_cache = k_cache[0], v_cache[0]
+    caches = tuple(c[0] for c in caches)
     me = jax.lax.axis_index("stage")
     B, D = first.shape[0], outer.embed.shape[1]
     mb, total = B // M, steps * M
     ring = [(s, (s + 1) % S) for s in range(S)]  # activations on to s + 1, sampled tokens back to stage 0
 
     def tick(carry, t):
-        received, (back_tok, back_m, back_ok), tokens, k_cache, v_cache, out, out_lp = carry
+        received, (back_tok, back_m, back_ok), tokens, caches, out, out_lp = carry
         # Stage 0 keeps the tokens the last stage sampled a tick ago: micro-batch back_m's next input.
         tokens = _put_rows(tokens, back_tok, back_m, back_ok & (me == 0))
         j = jnp.clip(t - me, 0, total - 1)
@@ -463,10 +489,11 @@ def _decode_body(step: _Step, steps: int, stacks, outer: Weights, k_cache, v_cac
         x = jnp.where(me == 0, jnp.take(outer.embed, _rows(tokens, m, mb), axis=0)[:, None, :], received)
         starts = _rows(lengths, m, mb) + n
         now_rope = jnp.maximum(rope_len, jnp.max(lengths) + n + 1)
-        y, (k_new, v_new) = _stage_slots(step, stacks, _rows(k_cache, m, mb, axis=1), _rows(v_cache, m, mb, axis=1),
-                                         x, _rows(tokens, m, mb)[:, None], starts, jnp.ones((mb,), jnp.int32),
-                                         k_cache.shape[4], now_rope)
-        k_cache, v_cache = _write_slots(k_cache, v_cache, k_new, v_new, m, mb, starts, valid)
+        mine = tuple(_rows(c, m, mb, axis=1) for c in caches)
+        y, added = _stage_slots(step, stacks, mine, x, _rows(tokens, m, mb)[:, None], starts,
+                                jnp.ones((mb,), jnp.int32), now_rope)
+        written = _written(latent, mine, added, starts)  # micro-batch m's rows, kept only where valid
+        caches = tuple(_put_rows(c, w, m, valid, axis=1) for c, w in zip(caches, written))
         h = rms_norm(y[:, 0], outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
         logprobs = jax.nn.log_softmax(output_logits(outer, h[:, None, :])[:, 0, :], axis=-1)
         sampled = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
@@ -479,12 +506,12 @@ def _decode_body(step: _Step, steps: int, stacks, outer: Weights, k_cache, v_cac
         out = record(out, sampled)
         out_lp = record(out_lp, jnp.max(logprobs, axis=-1))
         passed, back = jax.lax.ppermute((y, (sampled, m, last)), "stage", ring)
-        return (passed, back, tokens, k_cache, v_cache, out, out_lp), None
+        return (passed, back, tokens, caches, out, out_lp), None
 
     init = (jnp.zeros((mb, 1, D), outer.embed.dtype), (jnp.zeros((mb,), jnp.int32), jnp.int32(0), jnp.bool_(False)),
-            first, k_cache, v_cache, jnp.zeros((steps, B), jnp.int32), jnp.zeros((steps, B), jnp.float32))
-    (_, _, _, k_cache, v_cache, out, out_lp), _ = jax.lax.scan(tick, init, jnp.arange(total + S - 1))
-    return jax.lax.psum(out, "stage"), jax.lax.psum(out_lp, "stage"), k_cache[None], v_cache[None]
+            first, caches, jnp.zeros((steps, B), jnp.int32), jnp.zeros((steps, B), jnp.float32))
+    (_, _, _, caches, out, out_lp), _ = jax.lax.scan(tick, init, jnp.arange(total + S - 1))
+    return jax.lax.psum(out, "stage"), jax.lax.psum(out_lp, "stage"), tuple(c[None] for c in caches)
 
 
 def pipeline_decode(weights: StagedWeights, config: ModelConfig, plan: StagePlan, parallel: Parallel,
@@ -506,16 +533,15 @@ def pipeline_decode(weights: StagedWeights, config: ModelConfig, plan: StagePlan
     if B % num_micro or num_micro < S:
         raise ValueError(f"{num_micro} micro-batches for {B} rows on {S} stages: need a divisor of the batch that is "
                          f">= the stage count, so each stage has a micro-batch in flight")
-    step = _Step(config, plan, parallel, num_micro, False)
-    stacks = ((weights.layers, plan.active()),)
-    if plan.prefix:
-        stacks = ((weights.prefix, plan.prefix_active()),) + stacks
+    step = _Step(config, plan, parallel, num_micro, False, max_len=cache.max_len)
     stage = P("stage")
     body = jax.shard_map(
         lambda *a: _decode_body(step, steps, *a), mesh=parallel.placement.mesh,
-        in_specs=(stage, P(), stage, stage, P(), P(), P()), out_specs=(P(), P(), stage, stage), axis_names={"stage"},
+        in_specs=(stage, P(), stage, P(), P(), P()), out_specs=(P(), P(), stage), axis_names={"stage"},
         check_vma=False,  # as in pipeline_forward
     )
-    tokens, logprobs, k, v = body(stacks, weights.outer, cache.k, cache.v, first, cache.lengths, cache.rope_len)
+    tokens, logprobs, buffers = body(_stacks(weights, plan), weights.outer, cache.buffers, first, cache.lengths,
+                                     cache.rope_len)
     grown = cache.lengths + steps
-    return tokens, logprobs, StagedKVCache(k=k, v=v, lengths=grown, rope_len=jnp.maximum(cache.rope_len, jnp.max(grown)))
+    return tokens, logprobs, cache.replace(buffers=buffers, lengths=grown,
+                                           rope_len=jnp.maximum(cache.rope_len, jnp.max(grown)))

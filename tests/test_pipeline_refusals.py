@@ -16,8 +16,10 @@ from dayzero.engine.generate import Engine
 from dayzero.engine.runtime import (RunConfig, RunConfigError, _check_pipeline, check_page_pool, default_dtype,
                                     resolve_run)
 from dayzero.kernels.mode import KernelMode
-from dayzero.model.quant import KVQuant, QuantConfig
+from dayzero.model.hf_config import parse_hf_config
+from dayzero.model.quant import KVQuant, QuantConfig, WeightQuant
 from dayzero.model.weights import abstract_weights, init_weights
+from tests.serving_models import DSA, LATENT
 from tests.test_weight_offload import dense_config
 
 STAGES = SimpleNamespace(axes={"data": 1, "tensor": 2, "expert": 1, "stage": 2})
@@ -32,12 +34,24 @@ def test_stage_mesh_with_offload_is_refused():
 def test_stage_mesh_refusals_come_from_the_pipeline():
     with pytest.raises(RunConfigError, match="quantized KV cache"):
         _check_pipeline(dense_config(), STAGES, QuantConfig(), KVQuant.INT8, KernelMode.REFERENCE, False)
+    sparse = parse_hf_config(dict(DSA, num_hidden_layers=4))
+    with pytest.raises(RunConfigError, match=r"stage=2 \(pipeline parallelism\) does not support DeepSeek sparse "
+                                             "attention"):
+        _check_pipeline(sparse, STAGES, QuantConfig(), KVQuant.NONE, KernelMode.REFERENCE, False)
 
 
-def test_serving_on_a_stage_mesh_is_refused():
+def test_stage_mesh_runs_latent_attention_and_quantized_weights():
+    """What the pipeline no longer refuses: DeepSeek-V3's latent attention, and weights in every
+    quantized format (the runtime's check passes them; tests/test_pipeline.py runs them)."""
+    latent = parse_hf_config(dict(LATENT, num_hidden_layers=4, first_k_dense_replace=1))
+    for weights in WeightQuant:
+        _check_pipeline(latent, STAGES, QuantConfig(weights), KVQuant.NONE, KernelMode.REFERENCE, False)
+        _check_pipeline(dense_config(), STAGES, QuantConfig(weights), KVQuant.NONE, KernelMode.REFERENCE, False)
+
+
+def test_serving_on_a_stage_mesh_is_not_refused():
     run = RunConfig(default_dtype(), QuantConfig(), KVQuant.NONE, KernelMode.REFERENCE, placement=STAGES)
-    with pytest.raises(RunConfigError, match="serving engine does not run pipeline stages"):
-        check_page_pool(run, dense_config(), num_pages=8, page_size=16)
+    check_page_pool(run, dense_config(), num_pages=8, page_size=16)
 
 
 def test_engine_with_offloaded_layers_generates_the_same_tokens():

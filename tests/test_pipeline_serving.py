@@ -1,0 +1,152 @@
+"""The serving engine on a pipeline (stage) mesh: served tokens equal one device with chunked
+prefill, preemption, swap to host memory and the host prefix tier all exercised (8 faked devices
+in a subprocess: ``tests/pipeline_serving_checks.py``), and the micro-batch option's checks."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from dayzero.engine import Engine, ServingConfig, ServingEngine
+from dayzero.engine.cli import build_parser
+from dayzero.engine.generate import GenerationError
+from dayzero.engine.server_run import serving_config
+from dayzero.model import pipeline
+from dayzero.model.pipeline_paged import append_staged_pages, staged_paged_specs
+from dayzero.model.weights import abstract_weights, init_weights
+from tests.mesh_checks import run_part
+from tests.pipeline_checks import dense_config
+
+
+def _check_served(got: dict, mesh: str, stages: int, micro: int | None) -> None:
+    run, one = got[mesh], got["one_device"]
+    assert run["same_tokens"] and run["logprob_diff"] < 1e-4, run
+    assert len(run["stages"]) == stages and run["pool_spec"][0] == "stage", run
+    if micro is not None:
+        assert run["decode_micro_batches"] == micro, run
+    # The run went through what it is meant to check, as the one-device run did.
+    assert run["preemptions"] >= 1 and run["swapped_in"] >= 1 and one["preemptions"] >= 1, (run, one)
+
+
+def test_pipeline_serving_dense_equals_one_device():
+    """stage=2 x tensor=4 (two micro-batches a decode step, after warmup) and data=2 x stage=2 x
+    tensor=2 (two replicas, each a two-stage pipeline) serve the tokens one device serves."""
+    got = run_part("dense", module="tests.pipeline_serving_checks", fast_compile=True, timeout=600)
+    _check_served(got, "stage2xtensor4", 2, 2)
+    assert got["stage2xtensor4"]["host_pages"] >= 1 and got["stage2xtensor4"]["cached_tokens"] >= 16
+    replicated = got["data2xstage2xtensor2"]
+    assert replicated["replicas"] == 2
+    assert replicated["same_tokens"] and replicated["logprob_diff"] < 1e-4, replicated
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case,mesh,stages,micro", [("moe", "stage4xexpert2", 4, 4),
+                                                     ("dense_first", "stage2xtensor2xexpert2", 2, 1)])
+def test_pipeline_serving_moe_equals_one_device(case, mesh, stages, micro):
+    """Four MoE stages with expert parallelism inside each, and DeepSeek-style dense first layers
+    on stage 0, serve the tokens one device serves."""
+    got = run_part(case, module="tests.pipeline_serving_checks", fast_compile=True, timeout=600)
+    _check_served(got, mesh, stages, micro)
+
+
+def test_staged_page_write_matches_per_layer_pages():
+    """append_staged_pages writes each stage slot's keys where the flat paged write puts that
+    layer's (an oracle independent of the pipeline: numpy indexing of pages by table)."""
+    config = dense_config()
+    plan = pipeline.plan_stages(abstract_weights(config), 2)
+    specs = staged_paged_specs(config, plan, num_pages=6, page_size=4, batch=2, table_width=3)
+    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype or np.float32), specs,
+                         is_leaf=lambda x: hasattr(x, "axes"))
+    tables = np.array([[4, 1, 0], [2, 5, 3]], np.int32)
+    cache = zeros.replace(block_tables=tables, lengths=np.array([3, 0], np.int32))
+    S, P = plan.num_stages, plan.slots
+    K, H, T = config.num_kv_heads, config.head_dim, 3
+    rng = np.random.default_rng(0)
+    k, v = (rng.standard_normal((S, P, 2, T, K, H)).astype(np.float32) for _ in range(2))
+    new = pipeline.StagedNewKV(k=k, v=v, num_new=np.array([3, 2], np.int32), rope_len=np.int32(6))
+    out = jax.jit(append_staged_pages)(cache, new)
+    assert np.asarray(out.lengths).tolist() == [6, 2]
+    want = np.zeros(specs.k_pages.shape, np.float32)
+    for b, (start, n) in enumerate([(3, 3), (0, 2)]):
+        for t in range(n):
+            page, slot = tables[b, (start + t) // 4], (start + t) % 4
+            want[:, :, :, page, slot, :] = k[:, :, b, t]
+    np.testing.assert_array_equal(np.asarray(out.k_pages), want)
+
+
+def test_micro_batches_need_a_stage_mesh():
+    config = dense_config()
+    engine = Engine(config, init_weights(abstract_weights(config), jax.random.key(0), scale=0.1))
+    with pytest.raises(GenerationError, match="micro_batches=2 cuts a pipeline's decode steps; it needs a --mesh "
+                                              "with stage > 1"):
+        ServingEngine(engine, ServingConfig(slots=2, page_size=8, max_context=32, micro_batches=2))
+    with pytest.raises(GenerationError, match="micro_batches=0 is invalid"):
+        ServingConfig(micro_batches=0)
+    args = build_parser().parse_args(["serve", "--micro-batches", "4"])
+    assert serving_config(args).micro_batches == 4
+
+
+def test_two_processes_one_stage_each_serve_as_one_device(hf_factory, tmp_path):
+    """``launch-local --processes 2 --devices-per-process 1 -- serve --mesh stage=2``: each process
+    holds one stage (its layers and its half of every page's layers); concurrent greedy and
+    seeded streams equal one device's tokens."""
+    import concurrent.futures
+    import os
+    import signal
+
+    import openai
+
+    from dayzero.engine.sampling import SamplingParams
+    from tests.test_server import start_server, stop_server
+
+    model = hf_factory.build("llama", seed=6, vocab_size=264, max_position_embeddings=256)
+    _, model_dir = hf_factory.save_and_convert(model, tmp_path, tokenizer=True)
+    launch = ("launch-local", "--processes", "2", "--devices-per-process", "1", "--")
+    server = start_server(["--model", str(model_dir), "--served-model-name", "tiny", "--mesh", "stage=2",
+                           "--slots", "4", "--max-context", "64", "--max-chunk", "32", "--no-warmup"],
+                          timeout=400, launch=launch)
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+        cases = [(f"stage {i} says", 0.0 if i % 2 else 1.0, 200 + i) for i in range(4)]
+
+        def complete(case):
+            prompt, temperature, seed = case
+            reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=temperature,
+                                              seed=seed, extra_body={"return_token_ids": True, "ignore_eos": True})
+            return reply.choices[0].model_extra["token_ids"]
+
+        with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+            served = list(pool.map(complete, cases, timeout=300))
+        # Process 0 drains and tells process 1 to stop: both exit 0 (launch-local's status).
+        pid = next(int(line.split("pid ")[1]) for line in iter(server.proc.stderr.readline, "")
+                   if line.startswith("[launch-local] process 0 pid "))
+        os.kill(pid, signal.SIGTERM)
+        assert server.proc.wait(120) == 0
+    finally:
+        stop_server(server)
+    engine = Engine.load(model_dir)
+    for (prompt, temperature, seed), ids in zip(cases, served):
+        one = engine.generate(prompt, max_new_tokens=8, ignore_eos=True,
+                              sampling=SamplingParams(temperature=temperature, seed=seed))
+        assert ids == one.token_ids, (prompt, temperature)
+
+
+def test_auto_kernels_on_a_stage_mesh_resolve_to_the_reference_path(monkeypatch):
+    """Where ``auto`` means the Pallas kernels (a GPU), a stage mesh gets the reference path, which
+    the pipeline runs, instead of a refusal; the kernels asked for by name are still refused."""
+    from dayzero.engine import runtime
+    from dayzero.engine.runtime import RunConfigError, resolve_run
+    from dayzero.kernels import KernelMode
+
+    monkeypatch.setattr(runtime, "resolve_mode", lambda mode: KernelMode.PALLAS if mode in (
+        KernelMode.AUTO, "auto") else KernelMode(getattr(mode, "value", mode)))
+    monkeypatch.setattr(runtime, "check_placement", lambda model, placement: None)
+    config = dense_config()
+
+    class Axes:
+        axes = {"data": 1, "stage": 2, "expert": 1, "tensor": 1}  # what the checks read of a placement
+
+    assert resolve_run(config, kernels="auto", placement=Axes()).kernels is KernelMode.REFERENCE
+    with pytest.raises(RunConfigError, match="does not support the Pallas attention kernels"):
+        resolve_run(config, kernels="pallas_interpret", placement=Axes())
