@@ -460,7 +460,8 @@ def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = 
     never inside jit) and placed with ``shardings`` -- a pytree matching the weight tree with a
     ``jax.sharding.Sharding`` per leaf -- or on the default device when None. Quantized leaves
     (a checkpoint converted with ``--quantize``) come back as ``QuantizedArray`` in their stored
-    dtypes; ``dtype`` applies to the others.
+    dtypes; ``dtype`` applies to the others. A leaf group placed only on other processes' devices
+    (``engine.staged_load``: another process's pipeline stage) is not read.
     """
     root = Path(dst)
     manifest = read_manifest(root)
@@ -470,11 +471,20 @@ def load_checkpoint(dst: str | Path, dtype: Any = jnp.float32, shardings: Any = 
     if shardings is None:
         shardings = _on_one_device(specs)
     targets = named_leaves(shape_structs(specs, dtype, shardings))
-    arrays: dict[str, Any] = {}
-    for _, restored in _restore_groups(root, groups, targets):
+    # A group none of whose leaves this process holds a shard of (another process's pipeline
+    # stage) is not read: its leaves are global arrays with no data here.
+    remote = {g for g, keys in groups.items() if not any(_addressable(targets[leaf]) for leaf in keys.values())}
+    arrays: dict[str, Any] = {leaf: jax.make_array_from_single_device_arrays(t.shape, t.sharding, [], dtype=t.dtype)
+                              for g in remote for leaf in groups[g].values() for t in [targets[leaf]]}
+    for _, restored in _restore_groups(root, {g: k for g, k in groups.items() if g not in remote}, targets):
         arrays.update(restored)
     flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
     return config, jax.tree.unflatten(treedef, [arrays[leaf_path(path)] for path, _ in flat])
+
+
+def _addressable(target: jax.ShapeDtypeStruct) -> bool:
+    """Whether this process holds a device of ``target``'s sharding."""
+    return any(d.process_index == jax.process_index() for d in target.sharding.device_set)
 
 
 def _on_one_device(specs: Any) -> Any:

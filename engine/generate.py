@@ -30,6 +30,7 @@ from dayzero.model.quant import KVQuant, WeightQuant
 from dayzero.model.mrope import ImageInput, continuation
 from dayzero.model.transformer import forward
 from dayzero.model.cache import KVCache, append_to_cache, cache_specs, empty_from_specs, init_cache
+from dayzero.engine import staged_load
 from dayzero.model import pipeline
 from dayzero.model.weights import (Weights, abstract_weights, aligned_weights, axis_sizes, mesh_aligned_specs,
                                    quantize_weights)
@@ -224,7 +225,8 @@ class Engine:
         ``dayzero.engine.runtime.resolve_run`` (None or "auto": the platform's choice), which
         raises :class:`~dayzero.engine.runtime.RunConfigError` for a combination that cannot run.
         With a ``placement`` every weight is restored straight into its sharding on that mesh,
-        whatever mesh the checkpoint was converted for. ``quantize``: weight quantization
+        whatever mesh the checkpoint was converted for (on a pipeline mesh each layer onto its
+        stage's devices only: ``engine.staged_load``). ``quantize``: weight quantization
         applied at load to a float checkpoint (none, int8, fp8, fp8-block, int4); a checkpoint
         converted with ``--quantize`` is used as stored. ``kv_cache``: none, int8 or fp8.
         ``kernels``: reference, pallas or pallas_interpret. ``capacity_factor`` and
@@ -239,16 +241,19 @@ class Engine:
         from dayzero.engine.default_model import default_model_dir
 
         model_dir = Path(model_dir) if model_dir is not None else default_model_dir(progress=progress)
+        model = read_config(model_dir)
         stored = stored_quantization(read_manifest(model_dir))
-        run = resolve_run(read_config(model_dir), dtype=dtype, quantize=quantize, stored=stored, kv_cache=kv_cache,
+        run = resolve_run(model, dtype=dtype, quantize=quantize, stored=stored, kv_cache=kv_cache,
                           kernels=kernels, placement=placement, capacity_factor=capacity_factor,
                           grouped_matmul=grouped_matmul, offload_weights=offload_weights)
-        shardings = None
-        if placement is not None:  # restored as stored, then aligned and quantized as the run says
-            shardings = placement.shardings(abstract_weights(read_config(model_dir), stored))
-        config, weights = load_checkpoint(model_dir, dtype=run.dtype, shardings=shardings)
-        if run.quant != stored:
-            weights = quantize_weights(weights, abstract_weights(config, run.quant))
+        if placement is not None and placement.axes.get("stage", 1) > 1:  # each layer onto its stage only
+            config, weights = staged_load.load_staged(model_dir, model, run, stored,
+                                                      weight_specs(model, run, untied_head=False))
+        else:  # restored as stored (on a mesh, into its shardings), then quantized as the run says
+            shardings = None if placement is None else placement.shardings(abstract_weights(model, stored))
+            config, weights = load_checkpoint(model_dir, dtype=run.dtype, shardings=shardings)
+            if run.quant != stored:
+                weights = quantize_weights(weights, abstract_weights(config, run.quant))
         # A model converted without tokenizer files still serves token-id prompts.
         tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").exists() else None
         engine = cls(config, weights, tokenizer, run=run)

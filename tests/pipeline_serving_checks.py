@@ -18,6 +18,7 @@ import sys
 import jax
 
 from dayzero.engine import Engine, ServingConfig, ServingEngine
+from dayzero.model.pipeline import plan_stages
 from dayzero.model.weights import abstract_weights, init_weights
 from dayzero.sharding.placement import placement_for
 from tests.pipeline_checks import dense_config, dense_first_config, moe_config
@@ -68,5 +69,38 @@ def run_case(case: str) -> dict:
     return out
 
 
+def run_load(model_dir: str) -> dict:
+    """A converted checkpoint loaded for ``stage=2,tensor=4``: where each layer was read (the
+    devices of its stage only) and the stacked weights against ``stage_weights`` of the
+    checkpoint loaded on one device."""
+    import numpy as np
+
+    from dayzero.convert import load_checkpoint
+    from dayzero.convert.checkpoint import read_config, read_manifest, stored_quantization
+    from dayzero.engine import staged_load
+    from dayzero.engine.generate import weight_specs
+    from dayzero.engine.runtime import resolve_run
+    from dayzero.model.pipeline import stage_weights
+
+    placement = placement_for({"stage": 2, "tensor": 4})
+    config, stored = read_config(model_dir), stored_quantization(read_manifest(model_dir))
+    run = resolve_run(config, placement=placement)
+    specs = weight_specs(config, run, untied_head=False)
+    plan = plan_stages(specs, 2)
+    _, per_layer = load_checkpoint(model_dir, shardings=staged_load.stage_shardings(specs, plan, placement))
+    read_on = [sorted({d.id for leaf in jax.tree.leaves(layer) for d in leaf.sharding.device_set})
+               for layer in per_layer.layers]
+    _, staged = staged_load.load_staged(model_dir, config, run, stored, specs)
+    _, whole = load_checkpoint(model_dir)
+    want = stage_weights(whole, plan)
+    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+              for a, b in zip(jax.tree.leaves(staged), jax.tree.leaves(want)))
+    stage_devices = [sorted(d.id for d in sub.mesh.devices.flat) for sub in staged_load.stage_placements(placement)]
+    q = staged.layers.attn.q
+    return {"read_on": read_on, "stage_devices": stage_devices, "ranges": [list(r) for r in plan.ranges],
+            "max_abs_diff": err, "q_spec": [str(a) for a in q.sharding.spec],
+            "q_shard_shape": list(q.addressable_shards[0].data.shape), "q_shape": list(q.shape)}
+
+
 if __name__ == "__main__":
-    print(json.dumps(run_case(sys.argv[1])))
+    print(json.dumps(run_load(sys.argv[2]) if sys.argv[1] == "load" else run_case(sys.argv[1])))

@@ -5,15 +5,12 @@ in a subprocess: ``tests/pipeline_serving_checks.py``), and the micro-batch opti
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 
 from dayzero.engine import Engine, ServingConfig, ServingEngine
 from dayzero.engine.cli import build_parser
 from dayzero.engine.generate import GenerationError
 from dayzero.engine.server_run import serving_config
-from dayzero.model import pipeline
-from dayzero.model.pipeline_paged import append_staged_pages, staged_paged_specs
 from dayzero.model.weights import abstract_weights, init_weights
 from tests.mesh_checks import run_part
 from tests.pipeline_checks import dense_config
@@ -50,29 +47,19 @@ def test_pipeline_serving_moe_equals_one_device(case, mesh, stages, micro):
     _check_served(got, mesh, stages, micro)
 
 
-def test_staged_page_write_matches_per_layer_pages():
-    """append_staged_pages writes each stage slot's keys where the flat paged write puts that
-    layer's (an oracle independent of the pipeline: numpy indexing of pages by table)."""
-    config = dense_config()
-    plan = pipeline.plan_stages(abstract_weights(config), 2)
-    specs = staged_paged_specs(config, plan, num_pages=6, page_size=4, batch=2, table_width=3)
-    zeros = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype or np.float32), specs,
-                         is_leaf=lambda x: hasattr(x, "axes"))
-    tables = np.array([[4, 1, 0], [2, 5, 3]], np.int32)
-    cache = zeros.replace(block_tables=tables, lengths=np.array([3, 0], np.int32))
-    S, P = plan.num_stages, plan.slots
-    K, H, T = config.num_kv_heads, config.head_dim, 3
-    rng = np.random.default_rng(0)
-    k, v = (rng.standard_normal((S, P, 2, T, K, H)).astype(np.float32) for _ in range(2))
-    new = pipeline.StagedNewKV(k=k, v=v, num_new=np.array([3, 2], np.int32), rope_len=np.int32(6))
-    out = jax.jit(append_staged_pages)(cache, new)
-    assert np.asarray(out.lengths).tolist() == [6, 2]
-    want = np.zeros(specs.k_pages.shape, np.float32)
-    for b, (start, n) in enumerate([(3, 3), (0, 2)]):
-        for t in range(n):
-            page, slot = tables[b, (start + t) // 4], (start + t) % 4
-            want[:, :, :, page, slot, :] = k[:, :, b, t]
-    np.testing.assert_array_equal(np.asarray(out.k_pages), want)
+def test_checkpoint_loads_each_layer_onto_its_stage_only(hf_factory, tmp_path):
+    """Engine.load on a stage mesh reads each decoder layer onto the devices of the stage that runs
+    it (never the whole model onto one stage's devices) and stacks them into what stage_weights
+    makes of the checkpoint loaded on one device. (Across processes, where a process skips the
+    other stages' layers, ``test_two_processes_one_stage_each`` and the serve test below load too.)"""
+    model = hf_factory.build("llama", seed=4, num_attention_heads=8, num_key_value_heads=8, num_hidden_layers=3)
+    _, model_dir = hf_factory.save_and_convert(model, tmp_path)
+    got = run_part("load", str(model_dir), module="tests.pipeline_serving_checks", fast_compile=True)
+    stage_of = [s for s, (a, b) in enumerate(got["ranges"]) for _ in range(a, b)]
+    assert got["ranges"] == [[0, 2], [2, 3]] and got["stage_devices"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert got["read_on"] == [got["stage_devices"][s] for s in stage_of]
+    assert got["max_abs_diff"] == 0.0
+    assert got["q_spec"][0] == "stage" and got["q_shape"][:2] == [2, 2] and got["q_shard_shape"][0] == 1
 
 
 def test_micro_batches_need_a_stage_mesh():
