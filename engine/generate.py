@@ -21,7 +21,8 @@ from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, b
 from dayzero.engine.step_cache import StepCache
 from dayzero.engine.speculative import SpecConfig, SpecStats, check_speculative, stream_speculative
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
-from dayzero.engine.runtime import RunConfig, RunConfigError, default_dtype, resolve_run, tied_head, weights_storage
+from dayzero.engine.runtime import (RunConfig, RunConfigError, default_dtype, resolve_run, tied_head, weight_specs,
+                                    weights_storage)
 from dayzero.kernels import KernelMode
 from dayzero.model.config import ModelConfig
 from dayzero.model.parallel import Parallel
@@ -32,8 +33,7 @@ from dayzero.model.transformer import forward
 from dayzero.model.cache import KVCache, append_to_cache, cache_specs, empty_from_specs, init_cache
 from dayzero.engine import staged_load
 from dayzero.model import pipeline
-from dayzero.model.weights import (Weights, abstract_weights, aligned_weights, axis_sizes, mesh_aligned_specs,
-                                   quantize_weights)
+from dayzero.model.weights import Weights, abstract_weights, aligned_weights, quantize_weights
 from dayzero.sharding.placement import Placement
 
 __all__ = ["Completion", "Engine", "GenerationError", "default_dtype", "engine_step", "weight_specs"]
@@ -98,18 +98,6 @@ def check_max_new_tokens(max_new_tokens) -> None:
     """Raise :class:`GenerationError` unless ``max_new_tokens`` is an integer >= 1."""
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise GenerationError(f"max_new_tokens={max_new_tokens!r} is invalid; it must be an integer >= 1")
-
-
-def weight_specs(config: ModelConfig, run: RunConfig, untied_head: bool):
-    """The abstract weight tree as an engine with ``run`` holds it: quantized as ``run`` says,
-    with each block scale aligned to its shards on ``run``'s mesh, and with the [D,V] head copy
-    if ``untied_head``."""
-    if untied_head and config.tie_word_embeddings:
-        config = dataclasses.replace(config, tie_word_embeddings=False)
-    specs = abstract_weights(config, run.quant)
-    if run.placement is not None:
-        specs = mesh_aligned_specs(specs, axis_sizes(run.placement))
-    return specs
 
 
 def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights, tokens, num_new,

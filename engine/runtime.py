@@ -56,6 +56,7 @@ from dayzero.model.mesh_check import kernel_split_refusal, mesh_refusal
 from dayzero.model.parallel import Parallel
 from dayzero.model.quant import (KVQuant, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant,
                                  parse_kv_quant, parse_weight_quant, quantize)
+from dayzero.model.weights import abstract_weights, axis_sizes, mesh_aligned_specs
 from dayzero.sharding.placement import Placement
 
 
@@ -361,3 +362,15 @@ def options_from_args(args: Any) -> dict[str, Any]:
 def kernels_record(run: RunConfig) -> dict[str, str]:
     """``describe``'s record of the resolved kernel mode (``generate --json``'s ``"kernels"``)."""
     return {**describe(run.kernels), "requested": dict(run.requested).get("kernels", "auto")}
+
+
+def weight_specs(config: ModelConfig, run: RunConfig, untied_head: bool):
+    """The abstract weight tree as an engine with ``run`` holds it: quantized as ``run`` says,
+    with each block scale aligned to its shards on ``run``'s mesh, and with the [D,V] head copy
+    if ``untied_head``."""
+    if untied_head and config.tie_word_embeddings:
+        config = dataclasses.replace(config, tie_word_embeddings=False)
+    specs = abstract_weights(config, run.quant)
+    if run.placement is not None:
+        specs = mesh_aligned_specs(specs, axis_sizes(run.placement))
+    return specs
