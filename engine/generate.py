@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
+from dayzero.engine.sampling import (RowSampling, SamplingMode, SamplingParams, batch_sampling, in_flight_pick,
+                                    sample)
 from dayzero.engine.step_cache import StepCache
 from dayzero.engine.speculative import SpecConfig, SpecStats, check_speculative, stream_speculative
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
@@ -185,11 +186,12 @@ class Engine:
         self._append = jax.jit(append_to_cache if run.placement is None else self._append_on_mesh, donate_argnums=(0,))
         # Warm starts read these steps whole from disk (no trace, no lowering) when --compile-cache is on.
         self._steps = StepCache(scope=repr((config, run)))
-        if self._stages is not None:  # greedy decode with micro-batches in flight across steps
+        if self._stages is not None:  # decode with micro-batches in flight across steps
             self._decode_loop = jax.jit(
-                lambda w, first, cache, steps, num_micro: pipeline.pipeline_decode(
-                    w, config, self._stages, self._parallel, first, cache, steps, num_micro),
-                static_argnames=("steps", "num_micro"), donate_argnums=(2,))
+                lambda w, first, cache, rows, counts, steps, num_micro, mode: pipeline.pipeline_decode(
+                    w, config, self._stages, self._parallel, first, cache, steps, num_micro, in_flight_pick(mode),
+                    (rows.temperature, rows.top_k, rows.top_p, rows.min_p, jax.random.key_data(rows.keys), counts)),
+                static_argnames=("steps", "num_micro", "mode"), donate_argnums=(2,))
 
     @property
     def placement(self) -> Placement | None:
@@ -500,7 +502,7 @@ class Engine:
         B = len(ids)
         in_flight = self._in_flight_micro_batches(mode, B)
         if in_flight is not None:
-            yield from self._stream_in_flight(next_tok, logprob, cache, max_new_tokens, in_flight)
+            yield from self._stream_in_flight(next_tok, logprob, cache, max_new_tokens, in_flight, rows, mode)
             return
         ones = self._host(np.ones((B,), np.int32))
         for step in range(1, max_new_tokens + 1):
@@ -513,24 +515,27 @@ class Engine:
             yield np.asarray(produced[0]), np.asarray(produced[1])
 
     def _in_flight_micro_batches(self, mode: SamplingMode, batch: int) -> int | None:
-        """The micro-batch count with which a pipelined engine decodes ``batch`` greedy rows with
-        micro-batches in flight (``pipeline.pipeline_decode``), or None where it cannot: not a
-        pipeline, sampled rows, or no divisor of the batch >= the stage count (then each step
-        runs through the pipeline on its own, draining it)."""
-        if self._stages is None or mode is not SamplingMode.GREEDY:
+        """The micro-batch count with which a pipelined engine decodes ``batch`` rows with
+        micro-batches in flight (``pipeline.pipeline_decode``, each row sampled on the device as
+        a plain step samples it), or None where it cannot: not a pipeline, or no divisor of the
+        batch >= the stage count (then each step runs through the pipeline on its own, draining it)."""
+        if self._stages is None:
             return None
         stages = self._stages.num_stages
         m = pipeline.micro_batches(batch, max(self.micro_batches, stages))
         return m if m >= stages else None
 
-    def _stream_in_flight(self, tok, logprob, cache, max_new_tokens: int, num_micro: int):
+    def _stream_in_flight(self, tok, logprob, cache, max_new_tokens: int, num_micro: int, rows: RowSampling,
+                          mode: SamplingMode):
         """Yield the prefill's ``(tok, logprob)``, then the rest of ``max_new_tokens`` in calls of
-        up to ``IN_FLIGHT_STEPS`` greedy steps each with ``num_micro`` micro-batches in flight."""
+        up to ``IN_FLIGHT_STEPS`` steps each with ``num_micro`` micro-batches in flight."""
         yield np.asarray(tok), np.asarray(logprob)
         done = 1
         while done < max_new_tokens:
             steps = min(IN_FLIGHT_STEPS, max_new_tokens - done)
-            toks, lps, cache = self._decode_loop(self.weights, tok, cache, steps=steps, num_micro=num_micro)
+            counts = self._host(np.full(tok.shape[0], done, np.int32))  # the token index each row samples first
+            toks, lps, cache = self._decode_loop(self.weights, tok, cache, rows, counts, steps=steps,
+                                                 num_micro=num_micro, mode=mode)
             for i in range(steps):
                 yield np.asarray(toks[i]), np.asarray(lps[i])
             tok, done = toks[-1], done + steps

@@ -1,4 +1,5 @@
-"""The compiled steps of paged serving and the shape policy that keeps their number small.
+"""The compiled steps of paged serving, and why the shape policy (``engine.serving_config``)
+keeps their number small.
 
 Every device call has a static shape drawn from a short list, so a serving run compiles a
 bounded set of programs, all of which :meth:`PagedSteps.warmup` can compile up front:

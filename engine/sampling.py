@@ -134,6 +134,19 @@ class RowSampling:
     keys: jax.Array  # [B] PRNG keys
 
 
+def in_flight_pick(mode: SamplingMode):
+    """``pipeline.pipeline_decode``'s ``pick`` for rows sampled on the device: its ``pick_args``
+    are the rows' temperature, top_k, top_p, min_p, raw key data and token counts [B]; micro-batch
+    m's rows at their n-th in-flight step are sampled as a plain step at index count + n samples
+    them (:func:`sample`), so in-flight decoding gives the same tokens."""
+    def pick(logits, m, n, mb, temperature, top_k, top_p, min_p, key_data, counts):
+        mine = [jax.lax.dynamic_slice_in_dim(x, m * mb, mb) for x in (temperature, top_k, top_p, min_p, key_data,
+                                                                      counts)]
+        return sample(logits, RowSampling(*mine[:4], jax.random.wrap_key_data(mine[4])), mine[5] + n, mode)
+
+    return pick
+
+
 def batch_sampling(params: list[SamplingParams]) -> tuple[SamplingMode, RowSampling]:
     """Stack per-row parameters and choose the cheapest mode that serves every row."""
     if all(p.greedy for p in params):

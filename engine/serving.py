@@ -64,7 +64,7 @@ from dayzero.engine.paged_steps import (PagedSteps, RowParams, Sampled, ServingC
                                         sampling_mode)
 from dayzero.engine.paging import PagePool, PoolExhausted, SnapshotPool, page_hashes
 from dayzero.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams, TokenConstraint, allow_all, mask_words
-from dayzero.engine import serving_spec
+from dayzero.engine import serving_inflight, serving_spec
 from dayzero.engine.kv_swap import HostSwap
 from dayzero.engine.serving_images import RequestImages
 from dayzero.engine.serving_requests import ConstraintError, Event, ServingStats, _Request
@@ -460,11 +460,15 @@ class ServingEngine:
     def _decode(self, decoding: list[_Request], masks: dict[int, np.ndarray]) -> list[Event]:
         """One token for every decoding request: their rows packed into the smallest decode batch
         (padding rows carry no token), so a step costs what its requests need, not all slots.
-        With speculation, a verify step when any row has drafts (``serving_spec``)."""
+        With speculation, a verify step when any row has drafts (``serving_spec``); on a pipeline,
+        several steps with micro-batches in flight where the rows allow (``serving_inflight``)."""
         if self.config.speculative is not None:
             drafted = serving_spec.drafts_for(self, decoding)
             if drafted is not None:
                 return serving_spec.verify(self, decoding, *drafted)
+        n, M = serving_inflight.in_flight_steps(self, decoding)  # a pipeline: n steps in one call
+        if n:
+            return serving_inflight.decode_in_flight(self, decoding, n, M)
         B = self.config.decode_batch(len(decoding))
         tokens, num_new, lengths, steps, slots = (np.zeros(B, np.int32) for _ in range(5))
         for row, r in enumerate(decoding):

@@ -51,7 +51,9 @@ class ServingConfig:
     as much as the device pool; 0: none; needs ``prefix_cache``). micro_batches: on a pipeline
     (``stage``) mesh, the micro-batches a decode step's rows are cut into (at most, a divisor of
     the batch; default: one per stage), so several are in flight through the stages
-    (``dayzero.model.pipeline``; a prefill chunk, one sequence, is one micro-batch).
+    (``dayzero.model.pipeline``; a prefill chunk, one sequence, is one micro-batch). Where every
+    decoding row allows it, several decode steps run in one call with max(micro_batches, stages)
+    micro-batches in flight across them (``dayzero.engine.serving_inflight``).
     """
 
     slots: int = 8

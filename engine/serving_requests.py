@@ -47,6 +47,7 @@ class ServingStats:
     prefill_chunks: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
+    in_flight_calls: int = 0  # calls that ran several decode steps in flight through a pipeline
     preemptions: int = 0
     peak_pages: int = 0  # most pages referenced at once
     largest_chunk_scores: int = 0  # max over prefill chunks of T x attended positions

@@ -466,10 +466,32 @@ def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePla
     return logits, StagedNewKV(rows=rows, num_new=num_new, rope_len=rope_len)
 
 
-def _decode_body(step: _Step, steps: int, stacks, outer: Weights, caches, first, lengths, rope_len):
-    """The per-stage program of :func:`pipeline_decode`: ``steps`` greedy decode steps of M
+def greedy_pick(logits: jax.Array, m, n, mb) -> tuple[jax.Array, jax.Array]:
+    """The default ``pick`` of :func:`pipeline_decode`: each row's most likely token and its
+    log-probability."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return jnp.argmax(logprobs, axis=-1).astype(jnp.int32), jnp.max(logprobs, axis=-1)
+
+
+def _pages_written(latent: bool, pools: tuple, rows: tuple, tables, starts, keep) -> tuple:
+    """A stage's pools [slots, ...] with one micro-batch's new rows [slots, mb, 1, ...] written
+    at ``starts`` through its ``tables``, for the rows where ``keep`` (``append_staged_pages`` of
+    one stage)."""
+    from dayzero.model.pipeline_paged import StagedPagedCache, append_staged_pages  # it imports this module
+
+    none = jnp.zeros((), jnp.int32)
+    cache = StagedPagedCache(pages=tuple(p[None] for p in pools), block_tables=tables, lengths=starts, rope_len=none,
+                             latent=latent)
+    new = StagedNewKV(rows=tuple(r[None] for r in rows), num_new=keep, rope_len=none)
+    return tuple(p[0] for p in append_staged_pages(cache, new).pages)
+
+
+def _decode_body(step: _Step, steps: int, pick, stacks, outer: Weights, caches, tables, first, lengths, rope_len,
+                 active, pick_args):
+    """The per-stage program of :func:`pipeline_decode`: ``steps`` decode steps of M
     micro-batches in flight, (steps * M + S - 1) ticks. Returns the tokens [steps, B] and their
-    log-probabilities (summed over stages: zero but on the last) and the stage's cache buffers."""
+    log-probabilities (summed over stages: zero but on the last) and the stage's cache buffers
+    (or page pools)."""
     config, S, M = step.config, step.plan.num_stages, step.num_micro
     latent = config.mla is not None
     stacks = jax.tree.map(lambda a: a[0], stacks)
@@ -489,14 +511,18 @@ def _decode_body(step: _Step, steps: int, stacks, outer: Weights, caches, first,
         x = jnp.where(me == 0, jnp.take(outer.embed, _rows(tokens, m, mb), axis=0)[:, None, :], received)
         starts = _rows(lengths, m, mb) + n
         now_rope = jnp.maximum(rope_len, jnp.max(lengths) + n + 1)
-        mine = tuple(_rows(c, m, mb, axis=1) for c in caches)
+        mine = caches if step.paged else tuple(_rows(c, m, mb, axis=1) for c in caches)
+        tab = _rows(tables, m, mb) if step.paged else None
         y, added = _stage_slots(step, stacks, mine, x, _rows(tokens, m, mb)[:, None], starts,
-                                jnp.ones((mb,), jnp.int32), now_rope)
-        written = _written(latent, mine, added, starts)  # micro-batch m's rows, kept only where valid
-        caches = tuple(_put_rows(c, w, m, valid, axis=1) for c, w in zip(caches, written))
+                                jnp.ones((mb,), jnp.int32), now_rope, tab)
+        if step.paged:  # into the pages of the micro-batch's real rows, only where valid
+            keep = (valid & (_rows(active, m, mb) > 0)).astype(jnp.int32)
+            caches = _pages_written(latent, caches, added, tab, starts, keep)
+        else:
+            written = _written(latent, mine, added, starts)  # micro-batch m's rows, kept only where valid
+            caches = tuple(_put_rows(c, w, m, valid, axis=1) for c, w in zip(caches, written))
         h = rms_norm(y[:, 0], outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
-        logprobs = jax.nn.log_softmax(output_logits(outer, h[:, None, :])[:, 0, :], axis=-1)
-        sampled = jnp.argmax(logprobs, axis=-1).astype(jnp.int32)
+        sampled, logprob = pick(output_logits(outer, h[:, None, :])[:, 0, :], m, n, mb, *pick_args)
         last = valid & (me == S - 1)
 
         def record(buf, value):  # row n, micro-batch m of a [steps, B] buffer (last stage only)
@@ -504,7 +530,7 @@ def _decode_body(step: _Step, steps: int, stacks, outer: Weights, caches, first,
             return jax.lax.dynamic_update_slice_in_dim(buf, _put_rows(row, value, m, last)[None], n, axis=0)
 
         out = record(out, sampled)
-        out_lp = record(out_lp, jnp.max(logprobs, axis=-1))
+        out_lp = record(out_lp, logprob)
         passed, back = jax.lax.ppermute((y, (sampled, m, last)), "stage", ring)
         return (passed, back, tokens, caches, out, out_lp), None
 
@@ -515,8 +541,8 @@ def _decode_body(step: _Step, steps: int, stacks, outer: Weights, caches, first,
 
 
 def pipeline_decode(weights: StagedWeights, config: ModelConfig, plan: StagePlan, parallel: Parallel,
-                    first: jax.Array, cache: StagedKVCache, steps: int, num_micro: int
-                    ) -> tuple[jax.Array, jax.Array, StagedKVCache]:
+                    first: jax.Array, cache: StagedKVCache, steps: int, num_micro: int, pick=greedy_pick,
+                    pick_args: tuple = (), active: jax.Array | None = None) -> tuple[jax.Array, jax.Array, StagedKVCache]:
     """``steps`` greedy decode steps with micro-batches in flight: the tokens [steps, B] that
     follow ``first`` [B] (each row's last sampled token, not yet in ``cache``), their
     log-probabilities [steps, B], and the cache holding every token but the last sampled ones.
@@ -526,22 +552,32 @@ def pipeline_decode(weights: StagedWeights, config: ModelConfig, plan: StagePlan
     round to stage 0, which starts that micro-batch's next step while the other micro-batches
     are still in flight. With M >= S micro-batches no stage waits for a token, and only the first
     S - 1 and last S - 1 ticks have idle stages: a bubble of (S - 1) / (steps * M + S - 1).
-    Greedy only (the sampling happens inside the loop); the cache must have room for ``steps``
-    more positions per row.
+    The cache must have room for ``steps`` more positions per row; a staged page pool
+    (``pipeline_paged.StagedPagedCache``) is read and written through its block tables, and only
+    the rows ``active`` [B] marks (default all) write. The last stage picks each token with
+    ``pick(logits [mb, V], m, n, mb, *pick_args)`` -> (tokens [mb], log-probabilities [mb]) for
+    micro-batch m's n-th step (default :func:`greedy_pick`; the serving engine samples each row
+    with its own parameters and key, ``engine.serving_inflight``); ``pick_args`` are arrays it
+    reads, passed in whole.
     """
     B, S = first.shape[0], plan.num_stages
     if B % num_micro or num_micro < S:
         raise ValueError(f"{num_micro} micro-batches for {B} rows on {S} stages: need a divisor of the batch that is "
                          f">= the stage count, so each stage has a micro-batch in flight")
-    step = _Step(config, plan, parallel, num_micro, False, max_len=cache.max_len)
+    paged = hasattr(cache, "block_tables")
+    step = _Step(config, plan, parallel, num_micro, False, paged, max_len=cache.max_len)
     stage = P("stage")
     body = jax.shard_map(
-        lambda *a: _decode_body(step, steps, *a), mesh=parallel.placement.mesh,
-        in_specs=(stage, P(), stage, P(), P(), P()), out_specs=(P(), P(), stage), axis_names={"stage"},
-        check_vma=False,  # as in pipeline_forward
+        lambda *a: _decode_body(step, steps, pick, *a), mesh=parallel.placement.mesh,
+        in_specs=(stage, P(), stage, P(), P(), P(), P(), P(), P()), out_specs=(P(), P(), stage),
+        axis_names={"stage"}, check_vma=False,  # as in pipeline_forward
     )
-    tokens, logprobs, buffers = body(_stacks(weights, plan), weights.outer, cache.buffers, first, cache.lengths,
-                                     cache.rope_len)
+    tables = cache.block_tables if paged else jnp.zeros((), jnp.int32)
+    active = jnp.ones((B,), jnp.int32) if active is None else active
+    tokens, logprobs, caches = body(_stacks(weights, plan), weights.outer, cache.pages if paged else cache.buffers,
+                                    tables, first, cache.lengths, cache.rope_len, active, tuple(pick_args))
     grown = cache.lengths + steps
-    return tokens, logprobs, cache.replace(buffers=buffers, lengths=grown,
-                                           rope_len=jnp.maximum(cache.rope_len, jnp.max(grown)))
+    rope_len = jnp.maximum(cache.rope_len, jnp.max(grown))
+    if paged:
+        return tokens, logprobs, cache.replace(pages=caches, lengths=grown, rope_len=rope_len)
+    return tokens, logprobs, cache.replace(buffers=caches, lengths=grown, rope_len=rope_len)

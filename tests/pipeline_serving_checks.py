@@ -18,6 +18,7 @@ import sys
 import jax
 
 from dayzero.engine import Engine, ServingConfig, ServingEngine
+from dayzero.engine.sampling import SamplingParams
 from dayzero.model.pipeline import plan_stages
 from dayzero.model.weights import abstract_weights, init_weights
 from dayzero.sharding.placement import placement_for
@@ -26,6 +27,9 @@ from tests.serving_models import prompt
 
 PROMPTS = [prompt(20, 1), prompt(9, 2), prompt(12, 3), prompt(20, 1)[:17] + [3, 4], prompt(5, 4)]
 NEW = 8
+# Greedy and seeded sampled requests (a pipeline samples in-flight steps on the device).
+SAMPLING = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(),
+            SamplingParams(temperature=0.8, top_k=20, seed=5), SamplingParams(temperature=1.0, top_p=0.9, seed=7)]
 # (model, [(mesh axes, micro-batches, warm up first)]).
 CASES = {
     "dense": (dense_config, [({"stage": 2, "tensor": 4}, 2, True), ({"data": 2, "stage": 2, "tensor": 2}, None, False)]),
@@ -41,25 +45,36 @@ def served(engine: Engine, micro_batches: int | None, warm: bool) -> dict:
     server = ServingEngine(engine, config)
     if warm:
         server.warmup()
-    outs = server.run(PROMPTS, max_new_tokens=NEW, ignore_eos=True, logprobs=True)
+    outs = server.run(PROMPTS, max_new_tokens=NEW, ignore_eos=True, logprobs=True, sampling=SAMPLING)
     stats = server.stats
     steps = server.replicas[0].steps
     first = jax.tree.leaves(steps.pool)[0]
     return {"tokens": [o.token_ids for o in outs], "logprobs": [o.logprobs for o in outs],
-            "preemptions": stats.preemptions, "swapped_in": stats.swapped_in, "host_pages": stats.host_pages,
+            "preemptions": stats.preemptions, "in_flight_calls": stats.in_flight_calls, "swapped_in": stats.swapped_in, "host_pages": stats.host_pages,
             "cached_tokens": stats.cached_tokens, "replicas": len(server.replicas),
             "stages": None if steps.stages is None else [list(r) for r in steps.stages.ranges],
             "decode_micro_batches": None if steps.stages is None else steps._logits_step(4)[1]["num_micro"],
             "pool_shape": list(first.shape), "pool_spec": [str(a) for a in getattr(first.sharding, "spec", ())]}
 
 
+def generated(engine: Engine) -> list:
+    """Engine.generate's tokens for four prompts with greedy and seeded sampled rows (on a
+    pipeline: decoded with micro-batches in flight, each row sampled on the device)."""
+    prompts = [p[:7] for p in PROMPTS[:4]]
+    return [t.tolist() for t, _ in engine.stream_ids(prompts, NEW + 4, SAMPLING[:4])]
+
+
 def run_case(case: str) -> dict:
-    """Each mesh of ``CASES[case]`` against single-device serving with the same settings."""
+    """Each mesh of ``CASES[case]`` against single-device serving with the same settings (the
+    first mesh also against single-device generation)."""
     make, runs = CASES[case]
     config = make()
     weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
     one = served(Engine(config, weights), None, False)
     out = {"one_device": {k: v for k, v in one.items() if k not in ("tokens", "logprobs")}}
+    staged = Engine(config, weights, placement=placement_for(runs[0][0]))
+    out["generate_in_flight"] = staged._in_flight_micro_batches(None, 4)
+    out["generate_same_tokens"] = generated(staged) == generated(Engine(config, weights))
     for axes, micro, warm in runs:
         got = served(Engine(config, weights, placement=placement_for(axes)), micro, warm)
         diff = max(abs(a - b) for r, g in zip(one["logprobs"], got["logprobs"]) for a, b in zip(r, g))

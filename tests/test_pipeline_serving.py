@@ -22,13 +22,18 @@ def _check_served(got: dict, mesh: str, stages: int, micro: int | None) -> None:
     assert len(run["stages"]) == stages and run["pool_spec"][0] == "stage", run
     if micro is not None:
         assert run["decode_micro_batches"] == micro, run
+    # Decode steps ran several at a time with (at least S) micro-batches in flight.
+    assert run["in_flight_calls"] >= 1, run
+    assert got["generate_same_tokens"] and got["generate_in_flight"] >= stages, got
     # The run went through what it is meant to check, as the one-device run did.
     assert run["preemptions"] >= 1 and run["swapped_in"] >= 1 and one["preemptions"] >= 1, (run, one)
 
 
 def test_pipeline_serving_dense_equals_one_device():
-    """stage=2 x tensor=4 (two micro-batches a decode step, after warmup) and data=2 x stage=2 x
-    tensor=2 (two replicas, each a two-stage pipeline) serve the tokens one device serves."""
+    """stage=2 x tensor=4 (two micro-batches, so decode steps run in flight, after warmup) and
+    data=2 x stage=2 x tensor=2 (two replicas, each a two-stage pipeline) serve the tokens one
+    device serves, greedy and seeded sampled requests alike; Engine.generate's in-flight decode of
+    sampled rows gives one device's tokens too."""
     got = run_part("dense", module="tests.pipeline_serving_checks", fast_compile=True, timeout=600)
     _check_served(got, "stage2xtensor4", 2, 2)
     assert got["stage2xtensor4"]["host_pages"] >= 1 and got["stage2xtensor4"]["cached_tokens"] >= 16
