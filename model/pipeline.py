@@ -53,7 +53,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dayzero.model.cache import KVCache, LatentCache, NewKV, NewLatent, append_to_cache, cache_specs
 from dayzero.model.config import ModelConfig
@@ -522,7 +522,12 @@ def _decode_body(step: _Step, steps: int, pick, stacks, outer: Weights, caches, 
             written = _written(latent, mine, added, starts)  # micro-batch m's rows, kept only where valid
             caches = tuple(_put_rows(c, w, m, valid, axis=1) for c, w in zip(caches, written))
         h = rms_norm(y[:, 0], outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
-        sampled, logprob = pick(output_logits(outer, h[:, None, :])[:, 0, :], m, n, mb, *pick_args)
+        # Whole logits (not split over the vocabulary as the head leaves them): XLA 0.10.2's SPMD
+        # partitioner aborts on the sampling's gathers over vocabulary-split logits on a mesh with
+        # both tensor and expert axes (a failed check in ExpandDeviceGroupsWithIota).
+        logits = jax.lax.with_sharding_constraint(output_logits(outer, h[:, None, :])[:, 0, :],
+                                                  NamedSharding(jax.sharding.get_abstract_mesh(), P()))
+        sampled, logprob = pick(logits, m, n, mb, *pick_args)
         last = valid & (me == S - 1)
 
         def record(buf, value):  # row n, micro-batch m of a [steps, B] buffer (last stage only)

@@ -10,20 +10,25 @@ import subprocess
 from dataclasses import replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dayzero.model import pipeline
+from dayzero.model.cache import NewKV, NewLatent, append_to_cache, cache_specs, empty_from_specs, init_cache
 from dayzero.model.config import MoEConfig
+from dayzero.model.hf_config import parse_hf_config
+from dayzero.model.quant import QuantConfig, QuantizedArray, WeightQuant, stored_bytes
 from dayzero.model.parallel import Parallel
 from dayzero.model.transformer import forward
-from dayzero.model.weights import abstract_weights, init_weights
+from dayzero.model.weights import abstract_weights, init_weights, quantize_weights
 from dayzero.sharding import rules as R
 from dayzero.sharding.distributed import MeshError
 from dayzero.sharding.placement import Placement
 from dayzero.sharding.stages import balanced_stages
 from tests.mesh_checks import run_part
-from tests.pipeline_checks import dense_config, dense_first_config
+from tests.pipeline_checks import dense_config, dense_first_config, latent_config
+from tests.serving_models import DSA
 
 
 def _largest(layer_bytes, ranges):
@@ -103,7 +108,7 @@ def test_one_stage_pipeline_matches_forward():
     logits, new = jax.jit(lambda w, t: pipeline.pipeline_forward(w, config, plan, par, t, num_micro=2))(
         pipeline.stage_weights(weights, plan), tokens)
     np.testing.assert_allclose(logits, ref, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(new.k[0, 3], ref_new.k[3], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(new.rows[0][0, 3], ref_new.k[3], rtol=1e-5, atol=1e-5)
 
 
 def test_pipeline_refusals_name_the_feature():
@@ -118,6 +123,100 @@ def test_pipeline_refusals_name_the_feature():
     windows = replace(config, sliding_windows=(None, 4, None, 4, None))
     assert "different attention windows" in pipeline.pipeline_refusal(windows, {"stage": 2})
     assert "quantized KV cache" in pipeline.pipeline_refusal(config, {"stage": 2}, kv_quantized=True)
+    assert pipeline.pipeline_refusal(config, {"stage": 2}, quantized=True) is None
+    assert pipeline.pipeline_refusal(latent_config(), {"stage": 2, "tensor": 2, "expert": 2}) is None
+    sparse = parse_hf_config(dict(DSA, num_hidden_layers=4))
+    assert pipeline.pipeline_refusal(sparse, {"stage": 2}) == (
+        "--mesh stage=2 (pipeline parallelism) does not support DeepSeek sparse attention (DeepSeek-V3.2's indexer) "
+        "yet; drop the stage axis and use tensor/expert/data parallelism")
+
+
+def test_quantized_plan_counts_stored_bytes():
+    """The plan balances the bytes the quantized layers hold: values and scales at their stored
+    dtypes, int4 experts at half a byte (as ``quant.stored_bytes`` counts the arrays)."""
+    config = dense_first_config()
+    weights = jax.eval_shape(lambda: init_weights(abstract_weights(config), jax.random.key(0)))
+    for name in ("int8", "fp8-block", "int4"):
+        specs = abstract_weights(config, QuantConfig(WeightQuant(name)))
+        layers = jax.eval_shape(lambda w: quantize_weights(w, specs), weights).layers  # shapes and dtypes only
+        assert [pipeline._spec_bytes(s) for s in specs.layers] == [stored_bytes(w) for w in layers], name
+    int4 = abstract_weights(config, QuantConfig(WeightQuant.INT4))
+    assert pipeline._spec_bytes(int4.layers[1]) < pipeline._spec_bytes(abstract_weights(config).layers[1]) / 4
+
+
+def test_quantized_layers_stack_values_and_scales():
+    """A quantized leaf's values and scales both take the [S, slots] lead and the stage axis; its
+    layout metadata keeps describing one layer, which the stage body computes with."""
+    config = dense_config()
+    specs = abstract_weights(config, QuantConfig(WeightQuant.FP8_BLOCK))
+    plan = pipeline.plan_stages(specs, 2)
+    q = pipeline.staged_specs(specs, plan).layers.attn.q
+    one = specs.layers[0].attn.q
+    assert isinstance(q, QuantizedArray) and (q.in_axes, q.block) == (one.in_axes, one.block)
+    assert q.values.shape == (2, plan.slots) + one.values.shape and q.values.axes[:2] == ("stage", None)
+    assert q.scale.shape == (2, plan.slots) + one.scale.shape and q.scale.axes[:2] == ("stage", None)
+    weights = quantize_weights(init_weights(abstract_weights(config), jax.random.key(0), scale=0.1), specs)
+    staged = pipeline.stage_weights(weights, plan)
+    assert staged.layers.attn.q.values.dtype == one.values.dtype
+    np.testing.assert_array_equal(staged.layers.attn.q.scale[1, 0], weights.layers[3].attn.q.scale)
+
+
+def test_staged_cache_is_the_layer_cache_stacked():
+    """The staged caches stack one layer's cache tuple as ``cache_specs`` / ``paged_cache_specs``
+    declare it: keys and values, or MLA's latent rows (split over tensor by ``latent_seq``)."""
+    from dayzero.model.pipeline_paged import staged_paged_specs
+
+    for config in (dense_config(), latent_config()):
+        plan = pipeline.plan_stages(abstract_weights(config), 2)
+        lead = (2, plan.prefix + plan.slots)
+        staged = pipeline.staged_cache_specs(config, plan, 3, 24)
+        flat = cache_specs(config, 3, 24).layer(0)
+        assert [s.shape for s in staged.buffers] == [lead + s.shape for s in flat]
+        assert [s.axes for s in staged.buffers] == [("stage", None) + s.axes for s in flat]
+        assert staged.max_len == 24 and staged.latent == (config.mla is not None)
+        pages = staged_paged_specs(config, plan, num_pages=6, page_size=4)
+        assert len(pages.pages) == len(flat) and pages.page_size == 4 and pages.latent == staged.latent
+    latent = latent_config()
+    assert [s.shape for s in staged.buffers] == [lead + (3, 24, latent.mla.kv_lora_rank + latent.mla.rope_dim)]
+    assert pages.pages[0].shape == lead + (6, 4, latent.mla.kv_lora_rank + latent.mla.rope_dim)
+
+
+def test_staged_writes_equal_per_layer_writes():
+    """append_staged and append_staged_pages put each stage slot's rows where the flat caches'
+    writes put that layer's (the prefix slot first), for keys/values and for latent rows."""
+    from dayzero.model.paged_cache import append_to_pages, init_paged_cache
+    from dayzero.model.pipeline_paged import StagedPagedCache, append_staged_pages, staged_paged_specs
+
+    rng = np.random.default_rng(0)
+    for config in (dense_config(), latent_config()):
+        plan = pipeline.plan_stages(abstract_weights(config), 2)
+        S, Pn = 2, plan.prefix + plan.slots
+        lengths, num_new = np.array([3, 0], np.int32), np.array([3, 2], np.int32)
+        dims = pipeline._row_dims(config)
+        rows = tuple(rng.standard_normal((S, Pn, 2, 3) + d).astype(np.float32) for d in dims)
+        new = pipeline.StagedNewKV(rows=rows, num_new=num_new, rope_len=np.int32(6))
+        # Layer i of the flat caches gets the rows of the slot it sits in (padding slots: none).
+        slots = [(s, j) for s in range(S) for j, i in enumerate(plan.prefix_layers()[s] + plan.slot_layers()[s])
+                 if i is not None]
+        per_layer = [tuple(r[s, j] for s, j in slots) for r in rows]
+        flat_new = (NewLatent(latent=per_layer[0], num_new=num_new, rope_len=np.int32(6)) if config.mla else
+                    NewKV(k=per_layer[0], v=per_layer[1], num_new=num_new, rope_len=np.int32(6)))
+        empty = empty_from_specs(pipeline.staged_cache_specs, config, plan, 2, 8, jnp.float32)
+        staged = jax.jit(pipeline.append_staged)(empty.replace(lengths=lengths), new)
+        flat = append_to_cache(init_cache(config, 2, 8).replace(lengths=lengths), flat_new)
+        for i, (s, j) in enumerate(slots):
+            for got, want in zip(staged.buffers, flat.layer(i)):
+                np.testing.assert_array_equal(got[s, j], want)
+        tables = np.array([[4, 1, 0], [2, 5, 3]], np.int32)
+        pool = init_paged_cache(config, 6, 4, batch=2, table_width=3).replace(block_tables=tables, lengths=lengths)
+        flat_pages = append_to_pages(pool, flat_new)
+        staged_pool = empty_from_specs(staged_paged_specs, config, plan, 6, 4, 2, 3, jnp.float32)
+        staged_pool = jax.jit(append_staged_pages)(staged_pool.replace(block_tables=tables, lengths=lengths), new)
+        assert isinstance(staged_pool, StagedPagedCache) and np.asarray(staged_pool.lengths).tolist() == [6, 2]
+        for i, (s, j) in enumerate(slots):
+            want = flat_pages.latent_pages[i:i + 1] if config.mla else (flat_pages.k_pages[i], flat_pages.v_pages[i])
+            for got, w in zip(staged_pool.pages, want):
+                np.testing.assert_array_equal(got[s, j], w)
 
 
 def test_pipelined_generation_matches_one_device():
@@ -149,8 +248,53 @@ def test_pipelined_dense_first_generation_matches_one_device():
     assert got["same_tokens"] and got["logprob_diff"] < 1e-4 and got["decode_compiles"] == 0, got
 
 
+def test_pipelined_quantized_logits_match_one_device():
+    """int8 and fp8-block weights (every projection, the routed experts inside the nested
+    expert-parallel block too) on stage=2,tensor=2,expert=2: pipelined logits equal the same
+    quantized model's on one device, which differ from the float model's (quantization ran)."""
+    got = run_part("quantized", "dense_first", module="tests.pipeline_checks", fast_compile=True)
+    for name in ("int8", "fp8-block"):
+        assert got[name]["err"] < 1e-5 and got[name]["vs_float"] > 1e-3, got
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dense", "moe"])
+def test_pipelined_fp8_and_int4_logits_match_one_device():
+    got = run_part("quantized", "dense_first", "fp8,int4", module="tests.pipeline_checks", fast_compile=True)
+    for name in ("fp8", "int4"):
+        assert got[name]["err"] < 1e-5 and got[name]["vs_float"] > 1e-3, got
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["int8", "fp8-block"])
+def test_pipelined_quantized_generation_matches_one_device(fmt):
+    """The engine's own path (runtime check, block scales aligned to the mesh, staged quantized
+    leaves): the tokens the same quantized weights generate on one device."""
+    got = run_part("quantized_generate", "dense_first", fmt, module="tests.pipeline_checks", fast_compile=True)
+    assert got["same_tokens"] and got["logprob_diff"] < 1e-4 and got["decode_compiles"] == 0, got
+    assert got["quantize"] == fmt and got["staged_experts"] == "QuantizedArray", got
+
+
+def test_pipelined_latent_serving_matches_one_device():
+    """DeepSeek-V3-like (MLA, a dense first layer then MoE) served on stage=2,tensor=2,expert=2:
+    latent page pools by stage, read through block tables inside the stages, prefill chunks and
+    decode steps cut into micro-batches; the tokens and logprobs one device serves."""
+    served = run_part("serve", "latent", module="tests.pipeline_checks", fast_compile=True)
+    assert served["same_tokens"] and served["logprob_diff"] < 1e-4, served
+
+
+@pytest.mark.slow
+def test_pipelined_latent_generation_matches_one_device():
+    """The same model generating greedily through ``Engine`` (contiguous latent rows by stage,
+    split over tensor by ``latent_seq`` and read by the split latent attention nested in the
+    stage; decode with two micro-batches in flight, also cut into calls of 2 steps)."""
+    generated = run_part("generate", "latent", module="tests.pipeline_checks", fast_compile=True)
+    assert generated["same_tokens"] and generated["logprob_diff"] < 1e-4, generated
+    assert generated["decode_compiles"] == 0 and generated["in_flight"] == 2 and generated["chunked_same_tokens"]
+    assert generated["k_cache_spec"][:4] == ["stage", "None", "None", "tensor"], generated  # latent_seq split
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["dense", "moe", "latent"])
 def test_decode_with_micro_batches_in_flight(case):
     """pipeline_decode (the last stage's sampled tokens passed round to stage 0, M >= S
     micro-batches in flight across steps) gives a one-device engine's greedy tokens."""
@@ -160,7 +304,7 @@ def test_decode_with_micro_batches_in_flight(case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["dense", "moe", "dense_first"])
+@pytest.mark.parametrize("case", ["dense", "moe", "dense_first", "latent"])
 def test_pipelined_logits_over_micro_batches(case):
     """Logits equal one device's with 1, 2 and 4 micro-batches (all schedules: bubble-only to full)."""
     got = run_part("forward", case, module="tests.pipeline_checks", timeout=600)
@@ -188,3 +332,31 @@ def test_two_processes_one_stage_each(hf_factory, tmp_path, capsys):
     two = json.loads(proc.stdout.strip().splitlines()[-1])
     assert two["token_ids"] == one["token_ids"]
     assert max(abs(a - b) for a, b in zip(two["logprobs"], one["logprobs"])) < 1e-5
+
+
+@pytest.mark.slow
+def test_deepseek_v3_checkpoint_generates_pipelined_and_quantized(hf_factory, tmp_path, capsys):
+    """A converted DeepSeek-V3 checkpoint (YaRN, grouped routing, a shared expert) loaded straight
+    into stages (each layer read and quantized on its stage's devices) with --quantize int8 on
+    --mesh stage=2,tensor=2,expert=2: the tokens and logprobs of the same run on one device."""
+    import os
+    import sys
+
+    from dayzero.engine.cli import main
+    from tests.mesh_checks import ROOT
+    from tests.test_deepseek import build_hf_deepseek
+
+    model = build_hf_deepseek("q_lora", 9, num_hidden_layers=4)
+    _, model_dir = hf_factory.save_and_convert(model, tmp_path)
+    args = ["generate", "--model", str(model_dir), "--prompt-ids", "3,1,4,1,5,9,2,6", "--max-new-tokens", "6",
+            "--json", "--logprobs", "--quantize", "int8"]
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", "dayzero.engine.cli", *args, "--mesh", "stage=2,tensor=2,expert=2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    staged = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert staged["run"]["quantize"] == "int8" and staged["run"]["mesh"] == {"stage": 2, "tensor": 2, "expert": 2}
+    assert staged["token_ids"] == one["token_ids"]
+    assert max(abs(a - b) for a, b in zip(staged["logprobs"], one["logprobs"])) < 1e-4
