@@ -222,8 +222,8 @@ class ServingEngine:
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of the page pool(s) this engine allocated (every replica's)."""
-        return sum(r.steps.kv_bytes for r in self.replicas)
+        """Bytes of the page pool(s) this engine allocated (every replica's; a draft model's too)."""
+        return sum(r.steps.kv_bytes + (r.draft.steps.kv_bytes if r.draft else 0) for r in self.replicas)
 
     def warmup(self, constrained: bool = False, top_logprobs: bool = False) -> int:
         """Compile every step shape up front (after it, serving compiles nothing); returns the

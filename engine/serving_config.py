@@ -41,8 +41,9 @@ class ServingConfig:
     state_snapshots: for those models, how many copies of a slot's states the prefix cache keeps
     (default 4 x ``slots``; 0 turns their prefix cache off): a cached prefix is reused only up to a
     page boundary whose states were copied when a prefill chunk ended there (see
-    ``dayzero.engine.serving``). speculative: a ``speculative.SpecConfig`` (n-gram drafts,
-    verified K+1 tokens per row in one decode step; ``dayzero.engine.serving_spec``), or None.
+    ``dayzero.engine.serving``). speculative: a ``speculative.SpecConfig`` (n-gram drafts, or a
+    draft model's with its own page pool, ``dayzero.engine.serving_draft``; verified K+1 tokens
+    per row in one decode step, ``dayzero.engine.serving_spec``), or None.
     swap_bytes: host memory for the pages (and slot states) of preempted requests, copied back
     at readmission instead of recomputed (``dayzero.engine.kv_swap``; default: as much as the
     device pool; 0: recompute). host_cache_bytes: host memory for a second prefix-cache tier: cached

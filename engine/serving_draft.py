@@ -89,19 +89,8 @@ class DraftPool:
         batch), with their distributions q [B,K,V] (None for a greedy batch); the counts as given."""
         running = {r.id for r in self.server._running()}
         self._held = {i: v for i, v in self._held.items() if i in running}  # finished, cancelled: forgotten
-        for row, r in enumerate(decoding):
-            if counts[row]:
-                self._catch_up(r)
         B, K, cfg = len(counts), self.K, self.server.config
-        lengths, num_new = np.zeros(B, np.int32), np.zeros(B, np.int32)
-        for row, r in enumerate(decoding):
-            if counts[row]:
-                lengths[row] = self.held(r)
-                num_new[row] = len(r.tokens) - lengths[row]  # pending: 1 or 2
-        tokens = np.zeros((B, int(num_new.max())), np.int32)
-        for row, r in enumerate(decoding):
-            if counts[row]:
-                tokens[row, : num_new[row]] = r.tokens[lengths[row]:]
+        tokens, num_new, lengths = self._pending(decoding, counts)
         tables = self.server._tables(decoding, B)
         width = cfg.table_width(max(cfg.pages_for(r.computed + 1 + K) for r in decoding))
         params = [r.params for r in decoding]
@@ -124,6 +113,21 @@ class DraftPool:
             return drafts, counts, None
         q = jnp.stack(probs, axis=1)
         return drafts, counts, jnp.pad(q, ((0, 0), (0, K - q.shape[1]), (0, 0)))
+
+    def _pending(self, decoding: list["_Request"], counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The first drafting step's inputs, after the catch-up of the rows that draft: each row's
+        pending tokens [B,T] (T = 1 or 2), their count [B] (0: no draft) and the draft's lengths [B]."""
+        B = len(counts)
+        lengths, num_new = np.zeros(B, np.int32), np.zeros(B, np.int32)
+        for row, r in enumerate(decoding):
+            if counts[row]:
+                self._catch_up(r)
+                lengths[row] = self.held(r)
+                num_new[row] = len(r.tokens) - lengths[row]
+        tokens = np.zeros((B, int(num_new.max())), np.int32)
+        for row, r in enumerate(decoding):
+            tokens[row, : num_new[row]] = r.tokens[len(r.tokens) - num_new[row]:]
+        return tokens, num_new, lengths
 
     def _catch_up(self, r: "_Request") -> None:
         """Draft prefill chunks over ``r``'s tokens from ``draft_computed`` to all but its last,

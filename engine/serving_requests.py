@@ -59,7 +59,7 @@ class ServingStats:
     cancelled: int = 0  # requests withdrawn by ``cancel``
     snapshots_taken: int = 0  # slot states copied at page boundaries (models with per-slot states)
     snapshots_restored: int = 0  # ... and copied back into a slot to reuse a cached prefix
-    spec_drafted: int = 0  # n-gram draft tokens verified (``ServingConfig.speculative``)
+    spec_drafted: int = 0  # draft tokens verified (n-gram or draft model) (``ServingConfig.speculative``)
     spec_accepted: int = 0  # ... and accepted
     swapped_out: int = 0  # preempted requests whose pages went to host memory (``kv_swap``)
     swapped_in: int = 0  # ... and came back at readmission
