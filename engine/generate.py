@@ -477,12 +477,12 @@ class Engine:
 
         No EOS handling and no input checks (``generate`` does both): the caller stops
         consuming when it has what it needs. Rows may have different prompt lengths. With a
-        kernel mode the rows are served on the paged cache (``serving.stream_on_pages``).
+        kernel mode the rows are served on the paged cache (``paged_generate.stream_on_pages``).
         ``vision``: each prompt's preprocessed images (``_with_images``), its placeholders already
         expanded in ``ids``; the tower runs once over all of them.
         """
         if self.run.on_kernels:  # the kernels attend over pages: generate as a paged server does
-            from dayzero.engine.serving import stream_on_pages  # serving imports this module
+            from dayzero.engine.paged_generate import stream_on_pages  # it imports this module
 
             yield from stream_on_pages(self, ids, max_new_tokens, params, vision)
             return
