@@ -179,12 +179,16 @@ class DecodeFootprint:
         hyper = getattr(self.config, "hyper", None)
         return self.config.hidden_size * (hyper.mult if hyper is not None else 1)
 
-    def stage_split(self, stages: int, rows: int, wanted: int) -> tuple[tuple[range, ...], int]:
+    def stage_split(self, work: Workload, ways: Mapping[str, int], stages: int, rows: int, wanted: int
+                    ) -> tuple[tuple[range, ...], int]:
         """The pipeline's layer ranges over ``stages`` stages and its micro-batches for ``rows``
-        rows when ``wanted`` are asked for, as ``model.pipeline`` makes them (``plan_stages``,
-        ``micro_batches``); raises MeshError for more stages than layers, or layers the pipeline
-        cannot stack."""
-        return _stage_ranges(self.config, stages), pipeline.micro_batches(rows, wanted)
+        rows when ``wanted`` are asked for, as ``model.pipeline`` makes them (``plan_stages`` over
+        the weights as the engine holds them: quantized as ``work`` says, aligned to the mesh's
+        logical ``ways``; ``micro_batches``); raises MeshError for more stages than layers, or
+        layers the pipeline cannot stack."""
+        s = storage(work)
+        ranges = _stage_ranges(self.config, stages, s.quant, _split_ways(tuple(sorted(ways.items()))))
+        return ranges, pipeline.micro_batches(rows, wanted)
 
     def pipeline_gap(self, work: Workload, axes: Mapping[str, int]) -> str | None:
         """Why ``model.pipeline`` cannot run this stage mesh yet (``pipeline_refusal``; None: it
@@ -340,9 +344,9 @@ def _cache_part(config: ModelConfig, name: str) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _stage_ranges(config: ModelConfig, stages: int) -> tuple[range, ...]:
+def _stage_ranges(config: ModelConfig, stages: int, quant: QuantConfig, ways: tuple) -> tuple[range, ...]:
     try:
-        plan = pipeline.plan_stages(abstract_weights(config), stages)
+        plan = pipeline.plan_stages(_aligned_specs(config, quant, ways), stages)
     except MeshError:
         raise
     except ValueError as e:  # layers the pipeline cannot stack (e.g. more than two kinds): no stage mesh

@@ -205,8 +205,10 @@ class Footprint(Protocol):
     def layer_cache(self, work: Workload, axes: Mapping[str, int]) -> LayerSplit:
         """:meth:`cache` by decoder layer."""
 
-    def stage_split(self, stages: int, rows: int, wanted: int) -> tuple[tuple[range, ...], int]:
-        """Layer ranges of ``stages`` stages and the micro-batches of ``rows`` rows (``wanted`` asked)."""
+    def stage_split(self, work: Workload, ways: Mapping[str, int], stages: int, rows: int, wanted: int
+                    ) -> tuple[tuple[range, ...], int]:
+        """Layer ranges of ``stages`` stages (weights as ``work`` stores them on a mesh splitting
+        the logical ``ways``) and the micro-batches of ``rows`` rows (``wanted`` asked)."""
 
 
 

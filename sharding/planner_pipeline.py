@@ -169,7 +169,8 @@ class Pipeline:
         sized = [by_component(w + c, rules, axes) for w, c in zip(weights.layers, cache.layers)]
         layer_weights = [p.get(Component.WEIGHTS.value, 0) + p.get(Component.WEIGHT_SCALES.value, 0) for p in sized]
         rows = -(-work.batch // axes["data"])
-        ranges, micro = model.stage_split(axes["stage"], rows, work.micro_batches or axes["stage"])
+        ranges, micro = model.stage_split(work, logical_ways(rules, axes), axes["stage"], rows,
+                                          work.micro_batches or axes["stage"])
         outer = weights.first + weights.last + cache.first + cache.last
         per_stage = stage_totals(sized, by_component(outer, rules, axes), ranges)
         big = max(range(len(ranges)), key=lambda s: sum(per_stage[s].values()))

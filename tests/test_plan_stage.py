@@ -140,3 +140,21 @@ def test_cli_shows_stages_bubble_cross_host_bytes_and_host_tier(tmp_path, capsys
     assert "host tier:" in out and "KV swap space" in out, out
     rc, out, err = _run(argv[:-6] + ["--host-memory", "lots"], capsys)
     assert rc == 2 and "--host-memory 'lots' is not a size" in err, err
+
+
+def test_stage_split_follows_the_weights_as_the_engine_stores_them():
+    """The planner splits stages over the weights as the engine holds them: under int4 the routed
+    experts shrink to half a byte an element beside int8 dense layers, which moves the dense-first
+    model's split (float: layers 0-2 | 3-5; int4: 0-1 | 2-5), and the plan follows the engine's."""
+    from dayzero.model import pipeline
+    from dayzero.model.quant import QuantConfig, WeightQuant
+    from dayzero.model.weights import abstract_weights
+    from tests.pipeline_checks import dense_first_config
+
+    base = dense_first_config()
+    config = dataclasses.replace(base, num_layers=6, intermediate_size=512, sliding_windows=(None,) * 6,
+                                 moe=dataclasses.replace(base.moe, layers=(False,) + (True,) * 5))
+    engine = pipeline.plan_stages(abstract_weights(config, QuantConfig(WeightQuant.INT4)), 2).ranges
+    assert engine != pipeline.plan_stages(abstract_weights(config), 2).ranges
+    ranges, _ = DecodeFootprint(config).stage_split(_work(quantize="int4"), {}, 2, 4, 2)
+    assert tuple((r.start, r.stop) for r in ranges) == engine == ((0, 2), (2, 6))
