@@ -130,7 +130,7 @@ def part_staged() -> dict:
         placed = jax.device_put(weights, placement.shardings(staged_specs(specs, stages)))
         cache_specs = staged_cache_specs(config, stages, STAGED_ROWS, STAGED_CONTEXT)
         kv = [jax.device_put(np.zeros(s.shape, np.float32), placement.sharding(s.axes, s.shape))
-              for s in (cache_specs.k, cache_specs.v)]  # lengths and rope_len: host inputs, not planned
+              for s in cache_specs.buffers]  # lengths and rope_len: host inputs, not planned
         work = Workload(devices=8, device_memory=1 << 30, dtype="float32", batch=STAGED_ROWS, context=STAGED_CONTEXT)
         planned = evaluate(DecodeFootprint(config, name), work, axes)
         rows.append({"model": name, "mesh": mesh, "ranges": [list(r) for r in stages.ranges],
