@@ -281,7 +281,8 @@ class Engine:
         if self.placement is None:
             return None
         if self._stages is not None:
-            return self.placement.shardings(pipeline.staged_cache_specs(self.config, self._stages, batch, max_len))
+            return self.placement.shardings(pipeline.staged_cache_specs(self.config, self._stages, batch, max_len,
+                                                                        self.kv_cache))
         return self.placement.shardings(cache_specs(self.config, batch, max_len, self.kv_cache))
 
     def _init_cache(self, batch: int, max_len: int):
@@ -289,8 +290,8 @@ class Engine:
         on a pipeline), laid out on the mesh."""
         if self._stages is not None:
             dtype = self.weights.outer.embed.dtype
-            return empty_from_specs(pipeline.staged_cache_specs, self.config, self._stages, batch, max_len, dtype,
-                                    shardings=self._cache_shardings(batch, max_len))
+            return empty_from_specs(pipeline.staged_cache_specs, self.config, self._stages, batch, max_len,
+                                    self.kv_cache, dtype, shardings=self._cache_shardings(batch, max_len))
         return init_cache(self.config, batch, max_len, self.weights.embed.dtype, self.kv_cache,
                           self._cache_shardings(batch, max_len))
 

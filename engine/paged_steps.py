@@ -232,7 +232,7 @@ class PagedSteps:
         self.sample_layout = None if run.placement is None else run.placement.replicated()
         if self.stages:
             self.pool = empty_from_specs(staged_paged_specs, config, self.stages, serving.num_pages,
-                                         serving.page_size, 1, 1, dtype, shardings=self.layout)
+                                         serving.page_size, 1, 1, run.kv_cache, dtype, shardings=self.layout)
         else:
             self.pool = init_paged_cache(config, serving.num_pages, serving.page_size, dtype=dtype,
                                          kv_quant=run.kv_cache, shardings=self.layout, state_slots=serving.slots)
@@ -250,7 +250,7 @@ class PagedSteps:
         ``paged_cache_specs``, or on a pipeline mesh stacked by stage (``staged_paged_specs``)."""
         s = self.serving
         if self.stages:
-            return staged_paged_specs(self.config, self.stages, num_pages, s.page_size)
+            return staged_paged_specs(self.config, self.stages, num_pages, s.page_size, kv_quant=self.run.kv_cache)
         return paged_cache_specs(self.config, num_pages, s.page_size, kv_quant=self.run.kv_cache, state_slots=slots)
 
     @property

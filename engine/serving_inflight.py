@@ -48,11 +48,14 @@ def _in_flight(weights, first, active, pool, temperature, top_k, top_p, min_p, k
 def in_flight_steps(server: "ServingEngine", decoding: list["_Request"]) -> tuple[int, int]:
     """(n, M): how many decode steps the next call runs with M micro-batches in flight, or
     (0, 0) for a plain step (no pipeline, a constrained row or one asking for top logprobs, fewer
-    than S micro-batches, a row with one token left). Takes the pages the n steps write into
+    than S micro-batches, a row with one token left; latent attention on a mesh with an expert
+    axis, which XLA cannot compile in flight on the page pool yet). Takes the pages the n steps write into
     while the pool keeps one in reserve per running request."""
     steps, config = server.steps, server.config
     if steps.stages is None or any(r.constraint is not None or r.top_logprobs for r in decoding):
         return 0, 0
+    if steps.config.mla is not None and steps.run.placement.axes.get("expert", 1) > 1:
+        return 0, 0  # XLA 0.10.2 aborts compiling it (NOTES.md, "Decode in flight"): plain steps
     S = steps.stages.num_stages
     M = micro_batches(config.decode_batch(len(decoding)), max(config.micro_batches or S, S))
     n = min([IN_FLIGHT_STEPS] + [r.max_new_tokens - r.generated for r in decoding])

@@ -61,7 +61,7 @@ from dayzero.model.kernel_attention import gathered
 from dayzero.model.norm import rms_norm
 from dayzero.model.paged_cache import after_input
 from dayzero.model.parallel import Parallel
-from dayzero.model.quant import NIBBLE_TYPES
+from dayzero.model.quant import NIBBLE_TYPES, KVQuant
 from dayzero.model.rope import rope_cos_sin
 from dayzero.model.transformer import attention_masks, decoder_layer, output_logits
 from dayzero.model.weights import ParamSpec, Weights, is_spec, map_specs
@@ -73,8 +73,8 @@ def pipeline_refusal(config: ModelConfig, axes: Mapping[str, int], *, kernels: A
                      quantized: bool = False, kv_quantized: bool = False) -> str | None:
     """Why ``config`` cannot run pipelined on a mesh of these axis sizes (None: it can, or the
     mesh has no ``stage`` axis > 1). ``kernels``: the resolved attention mode (None or the
-    reference path is fine); ``kv_quantized``: the KV cache is not float; ``quantized``: the
-    weights are not (accepted: every weight format runs pipelined)."""
+    reference path is fine); ``quantized`` / ``kv_quantized``: the weights / KV cache are not
+    float (accepted: every weight and KV format runs pipelined)."""
     stages = int(axes.get("stage", 1))
     if stages <= 1:
         return None
@@ -90,7 +90,6 @@ def pipeline_refusal(config: ModelConfig, axes: Mapping[str, int], *, kernels: A
         (len(set(config.sliding_windows)) > 1, "layers with different attention windows"),
         (config.moe is not None and _interleaved(config.moe.layers),
          "dense and MoE layers interleaved (dense first layers, then MoE, are supported)"),
-        (kv_quantized, "a quantized KV cache"),
         (kernels is not None and getattr(kernels, "value", kernels) not in ("reference", "auto"),
          "the Pallas attention kernels"),
     ]
@@ -289,6 +288,12 @@ def layer_new(latent: bool, rows: tuple, num_new: jax.Array, rope_len: jax.Array
     return NewKV(k=rows[:1], v=rows[1:], num_new=num_new, rope_len=rope_len)
 
 
+def _each(fn, *trees):
+    """``fn`` on every array of cache buffers (a quantized buffer's values and scale alike; its
+    format metadata keeps describing one layer's buffer, as the stacked weights' does)."""
+    return jax.tree.map(fn, *trees)
+
+
 def _row_dims(config: ModelConfig) -> tuple[tuple[int, ...], ...]:
     """Per buffer of a layer's cache tuple, the trailing dims of one token's new row."""
     if config.mla is not None:
@@ -296,10 +301,12 @@ def _row_dims(config: ModelConfig) -> tuple[tuple[int, ...], ...]:
     return ((config.num_kv_heads, config.head_dim),) * 2
 
 
-def staged_cache_specs(config: ModelConfig, plan: StagePlan, batch: int, max_len: int) -> StagedKVCache:
+def staged_cache_specs(config: ModelConfig, plan: StagePlan, batch: int, max_len: int,
+                       kv_quant: KVQuant = KVQuant.NONE) -> StagedKVCache:
     """The staged cache declared abstractly (a ``ParamSpec`` at every leaf; zeros): one layer's
-    buffers as ``cache.cache_specs`` declares them, stacked behind ("stage", None)."""
-    flat = cache_specs(config, batch, max_len)
+    buffers as ``cache.cache_specs`` declares them (quantized as ``kv_quant`` says), stacked
+    behind ("stage", None)."""
+    flat = cache_specs(config, batch, max_len, kv_quant)
     return StagedKVCache(buffers=stacked_spec(flat.layer(0), (plan.num_stages, plan.prefix + plan.slots)),
                          lengths=flat.lengths, rope_len=flat.rope_len, latent=config.mla is not None)
 
@@ -382,7 +389,7 @@ def _stage_slots(step: _Step, stacks, caches, x, tokens, starts, num_new, rope_l
     added, first = [], 0
     for layers, active in stacks:  # the prefix stack's slots come first in the cache
         n = active.shape[0]
-        x, new = jax.lax.scan(slot, x, (layers, active, tuple(c[first:first + n] for c in caches)))
+        x, new = jax.lax.scan(slot, x, (layers, active, _each(lambda a: a[first:first + n], caches)))
         added, first = added + [new], first + n
     return x, tuple(jnp.concatenate(parts) for parts in zip(*added))
 
@@ -395,7 +402,7 @@ def _stage_body(step: _Step, stacks, caches, tables, x_all, tokens, starts, num_
     tables [B, W] with a paged cache (else unused)."""
     S, M = step.plan.num_stages, step.num_micro
     stacks = jax.tree.map(lambda a: a[0], stacks)
-    caches = tuple(c[0] for c in caches)  # [slots, B, ...] rows, or [slots, *pool] pages
+    caches = _each(lambda a: a[0], caches)  # [slots, B, ...] rows, or [slots, *pool] pages
     me = jax.lax.axis_index("stage")
     B, T, D = x_all.shape
     mb = B // M
@@ -406,7 +413,7 @@ def _stage_body(step: _Step, stacks, caches, tables, x_all, tokens, starts, num_
         m = jnp.clip(t - me, 0, M - 1)
         valid = (t - me >= 0) & (t - me < M)
         x = jnp.where(me == 0, _rows(x_all, m, mb), received)
-        mine = caches if step.paged else tuple(_rows(c, m, mb, axis=1) for c in caches)
+        mine = caches if step.paged else _each(lambda a: _rows(a, m, mb, axis=1), caches)
         y, added = _stage_slots(step, stacks, mine, x, _rows(tokens, m, mb), _rows(starts, m, mb),
                                 _rows(num_new, m, mb), rope_len,
                                 _rows(tables, m, mb) if step.paged and not step.fresh else None)
@@ -480,10 +487,21 @@ def _pages_written(latent: bool, pools: tuple, rows: tuple, tables, starts, keep
     from dayzero.model.pipeline_paged import StagedPagedCache, append_staged_pages  # it imports this module
 
     none = jnp.zeros((), jnp.int32)
-    cache = StagedPagedCache(pages=tuple(p[None] for p in pools), block_tables=tables, lengths=starts, rope_len=none,
-                             latent=latent)
-    new = StagedNewKV(rows=tuple(r[None] for r in rows), num_new=keep, rope_len=none)
-    return tuple(p[0] for p in append_staged_pages(cache, new).pages)
+    cache = StagedPagedCache(pages=_each(lambda a: a[None], pools), block_tables=tables, lengths=starts,
+                             rope_len=none, latent=latent)
+    new = StagedNewKV(rows=tuple(_whole(r)[None] for r in rows), num_new=keep, rope_len=none)
+    return _each(lambda a: a[0], append_staged_pages(cache, new).pages)
+
+
+def _whole(x: jax.Array) -> jax.Array:
+    """``x`` constrained whole on every device of the stage (inside the stage ``shard_map``).
+
+    XLA 0.10.2's SPMD partitioner aborts (a failed check in ``ExpandDeviceGroupsWithIota``) on
+    some gathers and scatters over arrays split over part of a mesh with both ``tensor`` and
+    ``expert`` axes inside the stage ``shard_map``: the in-flight decode's sampling over
+    vocabulary-split logits, and its page writes of latent rows. Both are small ([mb, V] and
+    [slots, mb, 1, C]): whole is cheap."""
+    return jax.lax.with_sharding_constraint(x, NamedSharding(jax.sharding.get_abstract_mesh(), P()))
 
 
 def _decode_body(step: _Step, steps: int, pick, stacks, outer: Weights, caches, tables, first, lengths, rope_len,
@@ -495,7 +513,7 @@ def _decode_body(step: _Step, steps: int, pick, stacks, outer: Weights, caches, 
     config, S, M = step.config, step.plan.num_stages, step.num_micro
     latent = config.mla is not None
     stacks = jax.tree.map(lambda a: a[0], stacks)
-    caches = tuple(c[0] for c in caches)
+    caches = _each(lambda a: a[0], caches)
     me = jax.lax.axis_index("stage")
     B, D = first.shape[0], outer.embed.shape[1]
     mb, total = B // M, steps * M
@@ -511,7 +529,7 @@ def _decode_body(step: _Step, steps: int, pick, stacks, outer: Weights, caches, 
         x = jnp.where(me == 0, jnp.take(outer.embed, _rows(tokens, m, mb), axis=0)[:, None, :], received)
         starts = _rows(lengths, m, mb) + n
         now_rope = jnp.maximum(rope_len, jnp.max(lengths) + n + 1)
-        mine = caches if step.paged else tuple(_rows(c, m, mb, axis=1) for c in caches)
+        mine = caches if step.paged else _each(lambda a: _rows(a, m, mb, axis=1), caches)
         tab = _rows(tables, m, mb) if step.paged else None
         y, added = _stage_slots(step, stacks, mine, x, _rows(tokens, m, mb)[:, None], starts,
                                 jnp.ones((mb,), jnp.int32), now_rope, tab)
@@ -520,13 +538,9 @@ def _decode_body(step: _Step, steps: int, pick, stacks, outer: Weights, caches, 
             caches = _pages_written(latent, caches, added, tab, starts, keep)
         else:
             written = _written(latent, mine, added, starts)  # micro-batch m's rows, kept only where valid
-            caches = tuple(_put_rows(c, w, m, valid, axis=1) for c, w in zip(caches, written))
+            caches = _each(lambda c, w: _put_rows(c, w, m, valid, axis=1), caches, written)
         h = rms_norm(y[:, 0], outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
-        # Whole logits (not split over the vocabulary as the head leaves them): XLA 0.10.2's SPMD
-        # partitioner aborts on the sampling's gathers over vocabulary-split logits on a mesh with
-        # both tensor and expert axes (a failed check in ExpandDeviceGroupsWithIota).
-        logits = jax.lax.with_sharding_constraint(output_logits(outer, h[:, None, :])[:, 0, :],
-                                                  NamedSharding(jax.sharding.get_abstract_mesh(), P()))
+        logits = _whole(output_logits(outer, h[:, None, :])[:, 0, :])  # (not split over the vocabulary)
         sampled, logprob = pick(logits, m, n, mb, *pick_args)
         last = valid & (me == S - 1)
 
@@ -542,7 +556,7 @@ def _decode_body(step: _Step, steps: int, pick, stacks, outer: Weights, caches, 
     init = (jnp.zeros((mb, 1, D), outer.embed.dtype), (jnp.zeros((mb,), jnp.int32), jnp.int32(0), jnp.bool_(False)),
             first, caches, jnp.zeros((steps, B), jnp.int32), jnp.zeros((steps, B), jnp.float32))
     (_, _, _, caches, out, out_lp), _ = jax.lax.scan(tick, init, jnp.arange(total + S - 1))
-    return jax.lax.psum(out, "stage"), jax.lax.psum(out_lp, "stage"), tuple(c[None] for c in caches)
+    return jax.lax.psum(out, "stage"), jax.lax.psum(out_lp, "stage"), _each(lambda a: a[None], caches)
 
 
 def pipeline_decode(weights: StagedWeights, config: ModelConfig, plan: StagePlan, parallel: Parallel,

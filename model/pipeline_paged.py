@@ -17,6 +17,7 @@ import jax
 from flax import struct
 
 from dayzero.model.config import ModelConfig
+from dayzero.model.quant import KVQuant
 from dayzero.model.paged_cache import PagedKVCache, PagedLatentCache, append_to_pages, paged_cache_specs
 from dayzero.model.pipeline import StagedNewKV, StagedWeights, StagePlan, layer_new, stacked_spec
 
@@ -65,10 +66,10 @@ def _layer_pages(cache: StagedPagedCache, pools: tuple) -> PagedKVCache | PagedL
 
 
 def staged_paged_specs(config: ModelConfig, plan: StagePlan, num_pages: int, page_size: int, batch: int = 1,
-                       table_width: int = 1) -> StagedPagedCache:
+                       table_width: int = 1, kv_quant: KVQuant = KVQuant.NONE) -> StagedPagedCache:
     """The staged pool declared abstractly: each stage slot's pools as ``paged_cache_specs``
-    declares one layer's, behind the logical axes ("stage", None)."""
-    flat = paged_cache_specs(config, num_pages, page_size, batch, table_width)
+    declares one layer's (quantized as ``kv_quant`` says), behind the logical axes ("stage", None)."""
+    flat = paged_cache_specs(config, num_pages, page_size, batch, table_width, kv_quant)
     pages = stacked_spec(_pools(flat), (plan.num_stages, plan.prefix + plan.slots))
     return StagedPagedCache(pages=pages, block_tables=flat.block_tables, lengths=flat.lengths,
                             rope_len=flat.rope_len, latent=config.mla is not None)

@@ -7,7 +7,8 @@ largest logprob difference, and what the run went through (micro-batches per dec
 preemptions, swaps, host prefix pages, the pool's partition spec). Five requests share four
 slots and a pool of eight pages of eight positions, so the run preempts, swaps a request's pages
 to host memory and back, and spills evicted prefix pages to the host tier; two prompts share a
-16-token prefix (prefix cache).
+16-token prefix (prefix cache). Each case runs with its own KV cache format (int8, fp8 or float)
+on every mesh and on the one device it is compared with.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dayzero.engine.sampling import SamplingParams
 from dayzero.model.pipeline import plan_stages
 from dayzero.model.weights import abstract_weights, init_weights
 from dayzero.sharding.placement import placement_for
-from tests.pipeline_checks import dense_config, dense_first_config, moe_config
+from tests.pipeline_checks import dense_config, dense_first_config, latent_config, moe_config
 from tests.serving_models import prompt
 
 PROMPTS = [prompt(20, 1), prompt(9, 2), prompt(12, 3), prompt(20, 1)[:17] + [3, 4], prompt(5, 4)]
@@ -30,11 +31,13 @@ NEW = 8
 # Greedy and seeded sampled requests (a pipeline samples in-flight steps on the device).
 SAMPLING = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams(),
             SamplingParams(temperature=0.8, top_k=20, seed=5), SamplingParams(temperature=1.0, top_p=0.9, seed=7)]
-# (model, [(mesh axes, micro-batches, warm up first)]).
+# (model, KV cache, [(mesh axes, micro-batches, warm up first)]).
 CASES = {
-    "dense": (dense_config, [({"stage": 2, "tensor": 4}, 2, True), ({"data": 2, "stage": 2, "tensor": 2}, None, False)]),
-    "moe": (moe_config, [({"stage": 4, "expert": 2}, 4, False)]),
-    "dense_first": (dense_first_config, [({"stage": 2, "tensor": 2, "expert": 2}, 1, False)]),
+    "dense": (dense_config, "int8", [({"stage": 2, "tensor": 4}, 2, True),
+                                     ({"data": 2, "stage": 2, "tensor": 2}, None, False)]),
+    "moe": (moe_config, "none", [({"stage": 4, "expert": 2}, 4, False)]),
+    "dense_first": (dense_first_config, "fp8", [({"stage": 2, "tensor": 2, "expert": 2}, 1, False)]),
+    "latent": (latent_config, "int8", [({"stage": 2, "tensor": 2, "expert": 2}, 2, False)]),
 }
 
 
@@ -67,16 +70,16 @@ def generated(engine: Engine) -> list:
 def run_case(case: str) -> dict:
     """Each mesh of ``CASES[case]`` against single-device serving with the same settings (the
     first mesh also against single-device generation)."""
-    make, runs = CASES[case]
+    make, kv, runs = CASES[case]
     config = make()
     weights = init_weights(abstract_weights(config), jax.random.key(0), scale=0.1)
-    one = served(Engine(config, weights), None, False)
-    out = {"one_device": {k: v for k, v in one.items() if k not in ("tokens", "logprobs")}}
-    staged = Engine(config, weights, placement=placement_for(runs[0][0]))
+    one = served(Engine(config, weights, kv_cache=kv), None, False)
+    out = {"case": case, "one_device": {k: v for k, v in one.items() if k not in ("tokens", "logprobs")}}
+    staged = Engine(config, weights, placement=placement_for(runs[0][0]), kv_cache=kv)
     out["generate_in_flight"] = staged._in_flight_micro_batches(None, 4)
-    out["generate_same_tokens"] = generated(staged) == generated(Engine(config, weights))
+    out["generate_same_tokens"] = generated(staged) == generated(Engine(config, weights, kv_cache=kv))
     for axes, micro, warm in runs:
-        got = served(Engine(config, weights, placement=placement_for(axes)), micro, warm)
+        got = served(Engine(config, weights, placement=placement_for(axes), kv_cache=kv), micro, warm)
         diff = max(abs(a - b) for r, g in zip(one["logprobs"], got["logprobs"]) for a, b in zip(r, g))
         name = "x".join(f"{a}{s}" for a, s in axes.items())
         out[name] = {"same_tokens": one["tokens"] == got["tokens"], "logprob_diff": diff,

@@ -32,8 +32,6 @@ def test_stage_mesh_with_offload_is_refused():
 
 
 def test_stage_mesh_refusals_come_from_the_pipeline():
-    with pytest.raises(RunConfigError, match="quantized KV cache"):
-        _check_pipeline(dense_config(), STAGES, QuantConfig(), KVQuant.INT8, KernelMode.REFERENCE, False)
     sparse = parse_hf_config(dict(DSA, num_hidden_layers=4))
     with pytest.raises(RunConfigError, match=r"stage=2 \(pipeline parallelism\) does not support DeepSeek sparse "
                                              "attention"):
@@ -41,12 +39,15 @@ def test_stage_mesh_refusals_come_from_the_pipeline():
 
 
 def test_stage_mesh_runs_latent_attention_and_quantized_weights():
-    """What the pipeline no longer refuses: DeepSeek-V3's latent attention, and weights in every
-    quantized format (the runtime's check passes them; tests/test_pipeline.py runs them)."""
+    """What the pipeline no longer refuses: DeepSeek-V3's latent attention, weights in every
+    quantized format and a quantized KV cache (the runtime's check passes them;
+    tests/test_pipeline.py runs them)."""
     latent = parse_hf_config(dict(LATENT, num_hidden_layers=4, first_k_dense_replace=1))
     for weights in WeightQuant:
         _check_pipeline(latent, STAGES, QuantConfig(weights), KVQuant.NONE, KernelMode.REFERENCE, False)
         _check_pipeline(dense_config(), STAGES, QuantConfig(weights), KVQuant.NONE, KernelMode.REFERENCE, False)
+    for kv in KVQuant:  # and a quantized KV cache (tests/test_pipeline_serving.py serves with one)
+        _check_pipeline(latent, STAGES, QuantConfig(), kv, KernelMode.REFERENCE, False)
 
 
 def test_serving_on_a_stage_mesh_is_not_refused():

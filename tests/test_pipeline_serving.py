@@ -18,36 +18,42 @@ from tests.pipeline_checks import dense_config
 
 def _check_served(got: dict, mesh: str, stages: int, micro: int | None) -> None:
     run, one = got[mesh], got["one_device"]
-    assert run["same_tokens"] and run["logprob_diff"] < 1e-4, run
+    # A quantized KV cache rounds keys and values the mesh summed in another order: one on a
+    # rounding boundary lands a step away (measured 2e-4 with int8). A wrong page, slot or scale
+    # would move logprobs by O(0.1) and the tokens with them.
+    assert run["same_tokens"] and run["logprob_diff"] < 1e-3, run
     assert len(run["stages"]) == stages and run["pool_spec"][0] == "stage", run
     if micro is not None:
         assert run["decode_micro_batches"] == micro, run
-    # Decode steps ran several at a time with (at least S) micro-batches in flight.
-    assert run["in_flight_calls"] >= 1, run
+    # Decode steps ran several at a time with (at least S) micro-batches in flight, except for
+    # latent attention on an expert axis (XLA cannot compile that yet: serving_inflight).
+    assert (run["in_flight_calls"] >= 1) == ("expert" not in mesh or "latent" not in got["case"]), run
     assert got["generate_same_tokens"] and got["generate_in_flight"] >= stages, got
     # The run went through what it is meant to check, as the one-device run did.
     assert run["preemptions"] >= 1 and run["swapped_in"] >= 1 and one["preemptions"] >= 1, (run, one)
 
 
 def test_pipeline_serving_dense_equals_one_device():
-    """stage=2 x tensor=4 (two micro-batches, so decode steps run in flight, after warmup) and
-    data=2 x stage=2 x tensor=2 (two replicas, each a two-stage pipeline) serve the tokens one
-    device serves, greedy and seeded sampled requests alike; Engine.generate's in-flight decode of
+    """With an int8 KV cache, stage=2 x tensor=4 (two micro-batches, so decode steps run in
+    flight, after warmup) and data=2 x stage=2 x tensor=2 (two replicas, each a two-stage
+    pipeline) serve the tokens one device serves, greedy and seeded sampled requests alike; Engine.generate's in-flight decode of
     sampled rows gives one device's tokens too."""
     got = run_part("dense", module="tests.pipeline_serving_checks", fast_compile=True, timeout=600)
     _check_served(got, "stage2xtensor4", 2, 2)
     assert got["stage2xtensor4"]["host_pages"] >= 1 and got["stage2xtensor4"]["cached_tokens"] >= 16
     replicated = got["data2xstage2xtensor2"]
     assert replicated["replicas"] == 2
-    assert replicated["same_tokens"] and replicated["logprob_diff"] < 1e-4, replicated
+    assert replicated["same_tokens"] and replicated["logprob_diff"] < 1e-3, replicated
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,mesh,stages,micro", [("moe", "stage4xexpert2", 4, 4),
-                                                     ("dense_first", "stage2xtensor2xexpert2", 2, 1)])
+                                                     ("dense_first", "stage2xtensor2xexpert2", 2, 1),
+                                                     ("latent", "stage2xtensor2xexpert2", 2, 2)])
 def test_pipeline_serving_moe_equals_one_device(case, mesh, stages, micro):
-    """Four MoE stages with expert parallelism inside each, and DeepSeek-style dense first layers
-    on stage 0, serve the tokens one device serves."""
+    """Four MoE stages with expert parallelism inside each, DeepSeek-style dense first layers on
+    stage 0 with an fp8 KV cache, and latent attention with an int8 one serve the tokens one
+    device serves."""
     got = run_part(case, module="tests.pipeline_serving_checks", fast_compile=True, timeout=600)
     _check_served(got, mesh, stages, micro)
 
