@@ -8,8 +8,9 @@ one device for scale. For M >= S it also times ``pipeline_decode``, which keeps 
 in flight across decode steps (bubble (S - 1) / (steps * M + S - 1)), per decode step of the
 whole batch. ``--serve`` adds the serving engine on the same mesh (``ServingEngine`` with
 ``ServingConfig(micro_batches=M)``): B requests of the prompt and ``--steps`` new tokens, served
-after a warm-up run, its generated tokens per second (prefill chunks included; each decode step
-cuts its rows into M micro-batches and drains the pipeline at its end).
+after a warm-up run, its generated tokens per second (prefill chunks included) with plain decode
+steps (each cuts its rows into M micro-batches and drains the pipeline at its end) and, for
+M >= S, with decode steps in flight (``engine/serving_inflight.py``, up to 8 a call).
 
 On faked CPU devices all stages share the host's cores, so the time does not show stages running
 in parallel; it shows the work done: each tick runs B/M rows through every stage, so the step
@@ -62,10 +63,15 @@ def timed(fn, *args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def served(config, weights, placement, prompts: np.ndarray, new_tokens: int, micro: int) -> dict:
+def served(config, weights, placement, prompts: np.ndarray, new_tokens: int, micro: int, in_flight: bool) -> dict:
     """Generated tokens per second of the serving engine on ``placement`` with ``micro``
-    micro-batches a decode step, every prompt a request (timed after a warm-up run)."""
+    micro-batches a decode step, every prompt a request (timed after a warm-up run): plain
+    decode steps, or (``in_flight``) several a call with the micro-batches in flight."""
     from dayzero.engine import Engine, ServingConfig, ServingEngine
+    from dayzero.engine import serving_inflight
+
+    default = serving_inflight.IN_FLIGHT_STEPS
+    serving_inflight.IN_FLIGHT_STEPS = default if in_flight else 1
 
     B, T = prompts.shape
     serving = ServingConfig(slots=B, max_context=T + new_tokens, max_chunk=max(16, 1 << (T - 1).bit_length()),
@@ -75,7 +81,9 @@ def served(config, weights, placement, prompts: np.ndarray, new_tokens: int, mic
     server.run(ids, max_new_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     outs = server.run(ids, max_new_tokens=new_tokens, ignore_eos=True)
-    return {"serve_tok_s": sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)}
+    serving_inflight.IN_FLIGHT_STEPS = default
+    rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return {"serve_in_flight_tok_s" if in_flight else "serve_tok_s": rate}
 
 
 def main(argv=None) -> int:
@@ -132,17 +140,19 @@ def main(argv=None) -> int:
             "prefill_ms": 1e3 * timed(prefill, staged, tokens, repeats=args.repeats),
             "decode_ms": 1e3 * timed(decode, staged, step_tokens, cache, repeats=args.repeats),
             **inflight,
-            **(served(config, weights, placement, host_tokens, args.steps, m) if args.serve else {}),
+            **(served(config, weights, placement, host_tokens, args.steps, m, False) if args.serve else {}),
+            **(served(config, weights, placement, host_tokens, args.steps, m, True)
+               if args.serve and m >= args.stages else {}),
         })
     print(f"stage={args.stages} tensor={args.tensor}, {args.layers} layers {[list(r) for r in plan.ranges]}, "
           f"batch {B}, prompt {T} (8 faked CPU devices on {os.cpu_count()} cores)")
     print(f"{'M':>3} {'ticks':>5} {'bubble':>7} {'prefill ms':>11} {'decode ms':>10} "
-          f"{'in-flight bubble':>17} {'in-flight decode ms':>20} {'serve tok/s':>12}")
+          f"{'in-flight bubble':>17} {'in-flight decode ms':>20} {'serve tok/s':>12} {'in flight':>10}")
     for r in rows:
         print(f"{r['micro_batches']:>3} {r.get('ticks', '-'):>5} {r.get('bubble_fraction', '-'):>7} "
               f"{r['prefill_ms']:>11.1f} {r.get('decode_ms', float('nan')):>10.2f} "
               f"{r.get('inflight_bubble_fraction', '-'):>17} {r.get('inflight_decode_ms', float('nan')):>20.2f} "
-              f"{r.get('serve_tok_s', float('nan')):>12.1f}")
+              f"{r.get('serve_tok_s', float('nan')):>12.1f} {r.get('serve_in_flight_tok_s', float('nan')):>10.1f}")
     if args.json:
         record = {"stages": args.stages, "tensor": args.tensor, "layers": args.layers, "batch": B, "prompt_len": T,
                   "ranges": [list(r) for r in plan.ranges], "cpu_count": os.cpu_count(), "rows": rows}

@@ -49,8 +49,8 @@ def in_flight_steps(server: "ServingEngine", decoding: list["_Request"]) -> tupl
     """(n, M): how many decode steps the next call runs with M micro-batches in flight, or
     (0, 0) for a plain step (no pipeline, a constrained row or one asking for top logprobs, fewer
     than S micro-batches, a row with one token left; latent attention on a mesh with an expert
-    axis, which XLA cannot compile in flight on the page pool yet). Takes the pages the n steps write into
-    while the pool keeps one in reserve per running request."""
+    axis, which XLA cannot compile in flight on the page pool yet). Takes the pages the n steps
+    write into while the pool keeps one in reserve per running request."""
     steps, config = server.steps, server.config
     if steps.stages is None or any(r.constraint is not None or r.top_logprobs for r in decoding):
         return 0, 0
@@ -78,9 +78,8 @@ def decode_in_flight(server: "ServingEngine", decoding: list["_Request"], n: int
     params = [r.params for r in decoding]
     rows = RowParams.of(params, [r.key for r in decoding], B)
     mode = sampling_mode(params)
-    pool = server.steps._with_rows(server._tables(decoding, B)[:, :width], lengths)
-    s = config
-    key = (steps.config, steps.run, (s.num_pages, s.page_size, s.slots), B, width, M, n, mode)
+    pool = steps._with_rows(server._tables(decoding, B)[:, :width], lengths)
+    key = (steps.config, steps.run, (config.num_pages, config.page_size, config.slots), B, width, M, n, mode)
     args = (steps.weights, *steps._host((first, active)), pool,
             *steps._host((rows.temperature, rows.top_k, rows.top_p, rows.min_p, rows.key_data, counts)))
     layout = None if steps.layout is None else (steps.sample_layout, steps.layout)

@@ -96,7 +96,7 @@ def assemble(weights: Weights, specs: Weights, plan: pipeline.StagePlan, placeme
              ) -> pipeline.StagedWeights:
     """``weights`` restored with :func:`stage_shardings` (each layer on its stage's devices) as
     the :class:`~dayzero.model.pipeline.StagedWeights` of ``plan`` on ``placement``. ``specs``:
-    the weight tree as the engine holds it (``generate.weight_specs``). The per-layer arrays are
+    the weight tree as the engine holds it (``runtime.weight_specs``). The per-layer arrays are
     consumed (deleted once stacked)."""
     target = pipeline.staged_specs(specs, plan)
     shardings = placement.shardings(target)
