@@ -87,7 +87,6 @@ def pipeline_refusal(config: ModelConfig, axes: Mapping[str, int], *, kernels: A
         (config.linear is not None, "hybrid linear-attention layers"),
         (config.hyper is not None, "hyper-connections"),
         (config.vision is not None, "a vision tower"),
-        (len(set(config.sliding_windows)) > 1, "layers with different attention windows"),
         (config.moe is not None and _interleaved(config.moe.layers),
          "dense and MoE layers interleaved (dense first layers, then MoE, are supported)"),
         (kernels is not None and getattr(kernels, "value", kernels) not in ("reference", "auto"),
@@ -374,10 +373,12 @@ def _stage_slots(step: _Step, stacks, caches, x, tokens, starts, num_new, rope_l
     T = x.shape[1]
     positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
     cos_sin = rope_cos_sin(config.rope, config.head_dim, config.max_position_embeddings, positions, rope_len)
-    masks = attention_masks(starts, num_new, T, step.max_len, config.sliding_windows[0])
+    # Each distinct attention window's masks once; a slot picks its layer's (``_window_kinds``).
+    windows = [attention_masks(starts, num_new, T, step.max_len, w) for w in _windows(config)]
 
     def slot(x, xs):
-        w, on, buffers = xs
+        w, on, kind, buffers = xs
+        masks = windows[0] if len(windows) == 1 else _pick_masks(windows, kind)
         cached = None if step.fresh else buffers
         if step.paged and not step.fresh:  # this slot's pages gathered per row (keys token-major)
             tab = after_input(tables, x)
@@ -387,9 +388,9 @@ def _stage_slots(step: _Step, stacks, caches, x, tokens, starts, num_new, rope_l
         return jnp.where(on, y, x), tuple(new)
 
     added, first = [], 0
-    for layers, active in stacks:  # the prefix stack's slots come first in the cache
+    for layers, active, kinds in stacks:  # the prefix stack's slots come first in the cache
         n = active.shape[0]
-        x, new = jax.lax.scan(slot, x, (layers, active, _each(lambda a: a[first:first + n], caches)))
+        x, new = jax.lax.scan(slot, x, (layers, active, kinds, _each(lambda a: a[first:first + n], caches)))
         added, first = added + [new], first + n
     return x, tuple(jnp.concatenate(parts) for parts in zip(*added))
 
@@ -430,10 +431,31 @@ def _stage_body(step: _Step, stacks, caches, tables, x_all, tokens, starts, num_
     return jax.lax.psum(out, "stage"), tuple(n[None] for n in new)
 
 
-def _stacks(weights: StagedWeights, plan: StagePlan) -> tuple:
-    """(layers, active) per stack, the prefix stack first."""
-    stacks = ((weights.layers, plan.active()),)
-    return ((weights.prefix, plan.prefix_active()),) + stacks if plan.prefix else stacks
+def _stacks(weights: StagedWeights, plan: StagePlan, config: ModelConfig) -> tuple:
+    """(layers, active, window kinds) per stack, the prefix stack first."""
+    stacks = ((weights.layers, plan.active(), _window_kinds(config, plan.slot_layers())),)
+    if not plan.prefix:
+        return stacks
+    return ((weights.prefix, plan.prefix_active(), _window_kinds(config, plan.prefix_layers())),) + stacks
+
+
+def _windows(config: ModelConfig) -> tuple[int | None, ...]:
+    """The model's distinct attention windows (None: full attention first)."""
+    return tuple(sorted(set(config.sliding_windows), key=lambda w: -1 if w is None else w))
+
+
+def _window_kinds(config: ModelConfig, rows: tuple[tuple[int | None, ...], ...]) -> jax.Array:
+    """[S, slots] int32: per stage slot of ``rows`` (layer indices, None for padding), the index
+    of its layer's window in :func:`_windows` (0 for padding). Layers with different windows
+    (gpt-oss alternates sliding and full attention) share a stack: each slot picks its masks."""
+    windows = _windows(config)
+    kinds = [[0 if i is None else windows.index(config.sliding_windows[i]) for i in row] for row in rows]
+    return jnp.array(kinds, jnp.int32).reshape(len(rows), len(rows[0]) if rows else 0)
+
+
+def _pick_masks(windows: list, kind: jax.Array) -> tuple:
+    """The masks (cached or None, new) of window ``kind`` among each window's ``windows``."""
+    return tuple(None if parts[0] is None else jnp.stack(parts)[kind] for parts in zip(*windows))
 
 
 def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePlan, parallel: Parallel,
@@ -467,7 +489,7 @@ def pipeline_forward(weights: StagedWeights, config: ModelConfig, plan: StagePla
         # check would need pvary on each; the psum makes the hidden output equal on every stage.
         check_vma=False,
     )
-    hidden, rows = body(_stacks(weights, plan), caches, tables, x_all, tokens, starts, num_new, rope_len)
+    hidden, rows = body(_stacks(weights, plan, config), caches, tables, x_all, tokens, starts, num_new, rope_len)
     x = rms_norm(hidden, weights.outer.final_norm, config.rms_norm_eps, offset=config.norm_weight_offset)
     logits = output_logits(weights.outer, x[:, None, :])[:, 0, :]
     return logits, StagedNewKV(rows=rows, num_new=num_new, rope_len=rope_len)
@@ -593,7 +615,7 @@ def pipeline_decode(weights: StagedWeights, config: ModelConfig, plan: StagePlan
     )
     tables = cache.block_tables if paged else jnp.zeros((), jnp.int32)
     active = jnp.ones((B,), jnp.int32) if active is None else active
-    tokens, logprobs, caches = body(_stacks(weights, plan), weights.outer, cache.pages if paged else cache.buffers,
+    tokens, logprobs, caches = body(_stacks(weights, plan, config), weights.outer, cache.pages if paged else cache.buffers,
                                     tables, first, cache.lengths, cache.rope_len, active, tuple(pick_args))
     grown = cache.lengths + steps
     rope_len = jnp.maximum(cache.rope_len, jnp.max(grown))

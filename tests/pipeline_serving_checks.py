@@ -38,7 +38,19 @@ CASES = {
     "moe": (moe_config, "none", [({"stage": 4, "expert": 2}, 4, False)]),
     "dense_first": (dense_first_config, "fp8", [({"stage": 2, "tensor": 2, "expert": 2}, 1, False)]),
     "latent": (latent_config, "int8", [({"stage": 2, "tensor": 2, "expert": 2}, 2, False)]),
+    "gpt_oss": (lambda: gpt_oss_config(), "none", [({"stage": 2, "tensor": 2, "expert": 2}, 2, False)]),
 }
+
+
+def gpt_oss_config():
+    """The tiny gpt-oss of tests/test_gpt_oss.py: a sliding-window layer (24) then a full one,
+    attention sinks, 8 experts; on two stages each stage's slot has another window."""
+    import transformers
+
+    from dayzero.model.hf_config import parse_hf_config
+    from tests.test_gpt_oss import COMMON
+
+    return parse_hf_config(transformers.GptOssConfig(**COMMON).to_dict())
 
 
 def served(engine: Engine, micro_batches: int | None, warm: bool) -> dict:

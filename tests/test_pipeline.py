@@ -20,7 +20,7 @@ from dayzero.model.config import MoEConfig
 from dayzero.model.hf_config import parse_hf_config
 from dayzero.model.quant import QuantConfig, QuantizedArray, WeightQuant, stored_bytes
 from dayzero.model.parallel import Parallel
-from dayzero.model.transformer import forward
+from dayzero.model.transformer import attention_masks, forward
 from dayzero.model.weights import abstract_weights, init_weights, quantize_weights
 from dayzero.sharding import rules as R
 from dayzero.sharding.distributed import MeshError
@@ -121,7 +121,7 @@ def test_pipeline_refusals_name_the_feature():
     assert "dense and MoE layers interleaved" in pipeline.pipeline_refusal(mixed, {"stage": 2})
     assert pipeline.pipeline_refusal(dense_first_config(), {"stage": 4, "expert": 2}) is None
     windows = replace(config, sliding_windows=(None, 4, None, 4, None))
-    assert "different attention windows" in pipeline.pipeline_refusal(windows, {"stage": 2})
+    assert pipeline.pipeline_refusal(windows, {"stage": 2}) is None  # each slot picks its window's masks
     assert pipeline.pipeline_refusal(config, {"stage": 2}, kv_quantized=True) is None
     assert pipeline.pipeline_refusal(config, {"stage": 2}, quantized=True) is None
     assert pipeline.pipeline_refusal(latent_config(), {"stage": 2, "tensor": 2, "expert": 2}) is None
@@ -360,3 +360,20 @@ def test_deepseek_v3_checkpoint_generates_pipelined_and_quantized(hf_factory, tm
     assert staged["run"]["quantize"] == "int8" and staged["run"]["mesh"] == {"stage": 2, "tensor": 2, "expert": 2}
     assert staged["token_ids"] == one["token_ids"]
     assert max(abs(a - b) for a, b in zip(staged["logprobs"], one["logprobs"])) < 1e-4
+
+
+def test_each_stage_slot_attends_with_its_layers_window():
+    """Layers with different windows share a stack: each slot's kind indexes its layer's window
+    (padding slots 0), and the masks it picks are that window's."""
+    config = replace(dense_config(), sliding_windows=(None, 4, None, 4, 8))
+    plan = pipeline.plan_stages(abstract_weights(config), 2)  # layers 0-2 | 3-4 (a padding slot)
+    assert pipeline._windows(config) == (None, 4, 8)
+    kinds = np.asarray(pipeline._window_kinds(config, plan.slot_layers()))
+    assert plan.slot_layers() == ((0, 1, 2), (3, 4, None)) and kinds.tolist() == [[0, 1, 0], [1, 2, 0]]
+    starts, num_new = np.array([5, 9]), np.array([3, 1])
+    windows = [attention_masks(starts, num_new, 3, 16, w) for w in pipeline._windows(config)]
+    for kind, window in enumerate(pipeline._windows(config)):
+        want = attention_masks(starts, num_new, 3, 16, window)
+        got = pipeline._pick_masks(windows, jnp.int32(kind))
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+

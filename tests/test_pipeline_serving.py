@@ -49,11 +49,12 @@ def test_pipeline_serving_dense_equals_one_device():
 @pytest.mark.slow
 @pytest.mark.parametrize("case,mesh,stages,micro", [("moe", "stage4xexpert2", 4, 4),
                                                      ("dense_first", "stage2xtensor2xexpert2", 2, 1),
-                                                     ("latent", "stage2xtensor2xexpert2", 2, 2)])
+                                                     ("latent", "stage2xtensor2xexpert2", 2, 2),
+                                                     ("gpt_oss", "stage2xtensor2xexpert2", 2, 2)])
 def test_pipeline_serving_moe_equals_one_device(case, mesh, stages, micro):
     """Four MoE stages with expert parallelism inside each, DeepSeek-style dense first layers on
-    stage 0 with an fp8 KV cache, and latent attention with an int8 one serve the tokens one
-    device serves."""
+    stage 0 with an fp8 KV cache, latent attention with an int8 one, and gpt-oss (a sliding and
+    a full attention layer, one a stage, with sinks) serve the tokens one device serves."""
     got = run_part(case, module="tests.pipeline_serving_checks", fast_compile=True, timeout=600)
     _check_served(got, mesh, stages, micro)
 
