@@ -36,7 +36,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dayzero.model import pipeline  # noqa: E402
+from dayzero.model import pipeline, pipeline_inflight  # noqa: E402
 from dayzero.model.cache import empty_from_specs  # noqa: E402
 from dayzero.model.config import Family, ModelConfig, RopeConfig  # noqa: E402
 from dayzero.model.parallel import Parallel  # noqa: E402
@@ -127,8 +127,8 @@ def main(argv=None) -> int:
         cache = jax.jit(pipeline.append_staged)(cache, new)
         decode = jax.jit(lambda w, t, c, m=m: pipeline.pipeline_forward(w, config, plan, par, t, c, num_micro=m)[0])
         inflight = {}
-        if m >= args.stages:  # micro-batches kept in flight across steps (pipeline.pipeline_decode)
-            loop = jax.jit(lambda w, f, c, m=m: pipeline.pipeline_decode(w, config, plan, par, f, c, args.steps, m)[:2])
+        if m >= args.stages:  # micro-batches kept in flight across steps (pipeline_inflight.pipeline_decode)
+            loop = jax.jit(lambda w, f, c, m=m: pipeline_inflight.pipeline_decode(w, config, plan, par, f, c, args.steps, m)[:2])
             first = placement.replicate(host_tokens[:, 0])
             inflight = {"inflight_steps": args.steps,
                         "inflight_bubble_fraction": round((args.stages - 1) / (args.steps * m + args.stages - 1), 4),

@@ -33,7 +33,7 @@ from dayzero.model.mrope import ImageInput, continuation
 from dayzero.model.transformer import forward
 from dayzero.model.cache import KVCache, append_to_cache, cache_specs, empty_from_specs, init_cache
 from dayzero.engine import staged_load
-from dayzero.model import pipeline
+from dayzero.model import pipeline, pipeline_inflight
 from dayzero.model.weights import Weights, abstract_weights, aligned_weights, quantize_weights
 from dayzero.sharding.placement import Placement
 
@@ -188,7 +188,7 @@ class Engine:
         self._steps = StepCache(scope=repr((config, run)))
         if self._stages is not None:  # decode with micro-batches in flight across steps
             self._decode_loop = jax.jit(
-                lambda w, first, cache, rows, counts, steps, num_micro, mode: pipeline.pipeline_decode(
+                lambda w, first, cache, rows, counts, steps, num_micro, mode: pipeline_inflight.pipeline_decode(
                     w, config, self._stages, self._parallel, first, cache, steps, num_micro, in_flight_pick(mode),
                     (rows.temperature, rows.top_k, rows.top_p, rows.min_p, jax.random.key_data(rows.keys), counts)),
                 static_argnames=("steps", "num_micro", "mode"), donate_argnums=(2,))
@@ -517,7 +517,7 @@ class Engine:
 
     def _in_flight_micro_batches(self, mode: SamplingMode, batch: int) -> int | None:
         """The micro-batch count with which a pipelined engine decodes ``batch`` rows with
-        micro-batches in flight (``pipeline.pipeline_decode``, each row sampled on the device as
+        micro-batches in flight (``pipeline_inflight.pipeline_decode``, each row sampled on the device as
         a plain step samples it), or None where it cannot: not a pipeline, or no divisor of the
         batch >= the stage count (then each step runs through the pipeline on its own, draining it)."""
         if self._stages is None:

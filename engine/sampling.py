@@ -135,7 +135,7 @@ class RowSampling:
 
 
 def in_flight_pick(mode: SamplingMode):
-    """``pipeline.pipeline_decode``'s ``pick`` for rows sampled on the device: its ``pick_args``
+    """``pipeline_inflight.pipeline_decode``'s ``pick`` for rows sampled on the device: its ``pick_args``
     are the rows' temperature, top_k, top_p, min_p, raw key data and token counts [B]; micro-batch
     m's rows at their n-th in-flight step are sampled as a plain step at index count + n samples
     them (:func:`sample`), so in-flight decoding gives the same tokens."""

@@ -5,7 +5,7 @@ A plain serving decode step runs the rows through the stages as M micro-batches 
 pipeline at its end, since the host samples and schedules between steps: (S - 1) / (M + S - 1)
 of the stage-ticks idle. When every decoding row can take several more tokens without the host
 (no per-token mask, no top logprobs, room in its pages), one call runs n steps instead
-(``pipeline.pipeline_decode`` on the page pool, each row sampled on the device with its own
+(``pipeline_inflight.pipeline_decode`` on the page pool, each row sampled on the device with its own
 parameters, key and token index): the last stage samples micro-batch m's token and hands it back
 to stage 0, which starts m's next step while the other micro-batches are in flight, so the
 bubble is (S - 1) / (n M + S - 1). Tokens are those n plain steps give (the same keys and
@@ -26,7 +26,8 @@ import numpy as np
 from dayzero.engine.paged_steps import _STEPS, RowParams, Sampled, _pinned, sampling_mode
 from dayzero.engine.sampling import SamplingMode, in_flight_pick
 from dayzero.engine.serving_spec import _room
-from dayzero.model.pipeline import micro_batches, pipeline_decode
+from dayzero.model.pipeline import micro_batches
+from dayzero.model.pipeline_inflight import pipeline_decode
 
 if TYPE_CHECKING:
     from dayzero.engine.serving import ServingEngine, _Request

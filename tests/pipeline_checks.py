@@ -111,7 +111,8 @@ def part_decode(case: str) -> dict:
     """Greedy tokens of four prompts from a pipelined prefill then :func:`pipeline_decode` (2 and
     4 micro-batches in flight) against a one-device engine's."""
     from dayzero.model.cache import empty_from_specs
-    from dayzero.model.pipeline import append_staged, pipeline_decode, staged_cache_specs
+    from dayzero.model.pipeline import append_staged, staged_cache_specs
+    from dayzero.model.pipeline_inflight import pipeline_decode
 
     make, axes = CASES[case]
     config = make()
