@@ -259,9 +259,10 @@ def _add_serve_parser(sub) -> None:
     s.add_argument("--host-cache", metavar="SIZE",
                    help="host memory for a second prefix-cache tier: cached prefix pages the device pool evicts are "
                         "copied there and back on a later hit, e.g. 8GiB (default: the device pool's size; 0: off)")
-    s.add_argument("--speculative", metavar="ngram|draft:DIR",
-                   help="speculative decoding with n-gram drafts or the converted small model in DIR (same "
-                        "tokenizer), verified per decode step; same output distribution")
+    s.add_argument("--speculative", metavar="ngram|mtp|draft:DIR",
+                   help="speculative decoding with n-gram drafts, the model's own multi-token-prediction layers "
+                        "(mtp, DeepSeek-V3) or the converted small model in DIR (same tokenizer), verified per "
+                        "decode step; same output distribution")
     s.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
     s.add_argument("--micro-batches", type=int, metavar="M",
                    help="a pipeline (--mesh stage=N) cuts each decode step's rows into M micro-batches in flight "

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dayzero.engine.sampling import (RowSampling, SamplingMode, SamplingParams, batch_sampling, in_flight_pick,
-                                    sample)
+from dayzero.engine.generate_pipeline import PipelineMixin
+from dayzero.engine.sampling import RowSampling, SamplingMode, SamplingParams, batch_sampling, sample
 from dayzero.engine.step_cache import StepCache
 from dayzero.engine.speculative import SpecConfig, SpecStats, check_speculative, stream_speculative
 from dayzero.engine.tokenizer import StreamDecoder, Tokenizer
@@ -30,10 +30,11 @@ from dayzero.model.parallel import Parallel
 from dayzero.model.offload import offload_layers
 from dayzero.model.quant import KVQuant, WeightQuant
 from dayzero.model.mrope import ImageInput, continuation
+from dayzero.model.mtp import main_hidden
 from dayzero.model.transformer import forward
-from dayzero.model.cache import KVCache, append_to_cache, cache_specs, empty_from_specs, init_cache
+from dayzero.model.cache import KVCache, append_to_cache, cache_specs, init_cache
 from dayzero.engine import staged_load
-from dayzero.model import pipeline, pipeline_inflight
+from dayzero.model import pipeline
 from dayzero.model.weights import Weights, abstract_weights, aligned_weights, quantize_weights
 from dayzero.sharding.placement import Placement
 
@@ -102,15 +103,20 @@ def check_max_new_tokens(max_new_tokens) -> None:
 
 
 def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights, tokens, num_new,
-                rows: RowSampling, step, mode: SamplingMode, cache=None, images: ImageInput | None = None) -> tuple:
+                rows: RowSampling, step, mode: SamplingMode, cache=None, images: ImageInput | None = None,
+                hidden: bool = False) -> tuple:
     """One step as :class:`Engine` jits it (prefill without a cache, decode with one).
 
     The forward pass (on a mesh with ``parallel``'s hand-written blocks: split latent attention,
     expert-parallel MoE) then sampling; returns the next tokens [B], their log-probabilities [B]
     and what ``append_to_cache`` writes. ``dayzero.tools.plan_check`` lowers the same function.
     ``images``: M-RoPE positions and image entries of a step after or with images (Qwen VL).
+    ``hidden``: a fourth output, the hidden states [B,T,D] after the final norm, which the MTP
+    drafter's module reads (``model.mtp.main_hidden``); without it the program is unchanged.
     """
-    logits, new = forward(weights, config, tokens, cache, num_new, parallel=parallel, images=images)
+    layers = [] if hidden else None
+    logits, new = forward(weights, config, tokens, cache, num_new, parallel=parallel, images=images,
+                          hidden_out=layers)
     next_tokens, logprobs = sample(logits, rows, step, mode)
     if parallel is not None:
         # Replicated: every process reads them back, and the next step gets the same layout
@@ -118,10 +124,10 @@ def engine_step(config: ModelConfig, parallel: Parallel | None, weights: Weights
         next_tokens, logprobs = jax.lax.with_sharding_constraint(
             (next_tokens, logprobs), parallel.placement.replicated()
         )
-    return next_tokens, logprobs, new
+    return (next_tokens, logprobs, new) + ((main_hidden(weights, config, layers[-1]),) if hidden else ())
 
 
-class Engine:
+class Engine(PipelineMixin):
     """A loaded model with compiled prefill/decode steps, run as its :class:`RunConfig` says.
 
     The run configuration (``engine.run``: dtype, weight and KV-cache storage, kernels, mesh, MoE
@@ -131,7 +137,8 @@ class Engine:
     shardings (so decode steps never recompile), and MoE blocks dispatch tokens to their experts'
     devices when the mesh has ``expert`` > 1. Without one, everything sits on the default device.
     With a kernel mode, generation runs on the paged cache, whose steps attend on the Pallas
-    kernels (``dayzero.engine.serving``); the reference mode uses the contiguous cache.
+    kernels (``dayzero.engine.serving``); the reference mode uses the contiguous cache. On a
+    pipeline mesh (``stage`` > 1) the methods of ``engine.generate_pipeline`` run the stages.
 
     >>> engine = Engine.load("converted/smollm2")            # doctest: +SKIP
     >>> engine.generate("Hello", max_new_tokens=8).text      # doctest: +SKIP
@@ -155,8 +162,7 @@ class Engine:
         self.run = run
         self._stages = getattr(weights, "plan", None)  # the pipeline's StagePlan on a mesh with stage > 1
         if self._stages is not None:  # staged already (a data replica of a pipeline engine): re-placed
-            specs = weight_specs(config, run, weights.outer.lm_head is not None)
-            weights = jax.device_put(weights, run.placement.shardings(pipeline.staged_specs(specs, self._stages)))
+            weights = self._replaced(weights)
         elif weights.lm_head is None and jax.default_backend() == "cpu":
             # Tied embeddings: XLA:CPU's matvec against the [V,D] embedding took ~6 ms more per
             # SmolLM2 decode step than against a [D,V] copy (34 vs 40 ms), worth V*D more bytes.
@@ -169,10 +175,8 @@ class Engine:
         if run.offload_weights:
             weights = offload_layers(weights, run.placement)
         self.weights = weights
-        # Pipeline micro-batches per step (at most; a divisor of the batch): more shrink the bubble,
-        # (S - 1) / (M + S - 1) of the stage-ticks, but cut the batch into smaller matmuls.
-        self.micro_batches = 1 if self._stages is None else self._stages.num_stages
         self._parallel = run.parallel
+        self._start_pipeline()  # micro_batches (1 without stages) and the in-flight decode step
         self.tokenizer = tokenizer
         self.eos_ids = tuple(tokenizer.eos_token_ids if tokenizer and tokenizer.eos_token_ids else config.eos_token_ids)
         self.compile_s = 0.0  # seconds spent compiling steps so far
@@ -180,18 +184,12 @@ class Engine:
         # bounds; set it to the checkpoint's preprocessor_config.json where it differs).
         self.image_config = None
         # Prefill (no cache to read: a first prompt) and decode are separate compiled functions.
-        self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode",))
-        self._decode = jax.jit(self._step_impl, static_argnames=("mode",))
+        self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode", "hidden"))
+        self._decode = jax.jit(self._step_impl, static_argnames=("mode", "hidden"))
         # On a mesh the written cache is pinned to its layout; one device keeps the plain write.
         self._append = jax.jit(append_to_cache if run.placement is None else self._append_on_mesh, donate_argnums=(0,))
         # Warm starts read these steps whole from disk (no trace, no lowering) when --compile-cache is on.
         self._steps = StepCache(scope=repr((config, run)))
-        if self._stages is not None:  # decode with micro-batches in flight across steps
-            self._decode_loop = jax.jit(
-                lambda w, first, cache, rows, counts, steps, num_micro, mode: pipeline_inflight.pipeline_decode(
-                    w, config, self._stages, self._parallel, first, cache, steps, num_micro, in_flight_pick(mode),
-                    (rows.temperature, rows.top_k, rows.top_p, rows.min_p, jax.random.key_data(rows.keys), counts)),
-                static_argnames=("steps", "num_micro", "mode"), donate_argnums=(2,))
 
     @property
     def placement(self) -> Placement | None:
@@ -252,16 +250,7 @@ class Engine:
         engine.image_config = image_config_in(model_dir, config)
         return engine
 
-
     # ---- placement -------------------------------------------------------------------------
-
-    def _staged(self, weights: Weights, specs) -> pipeline.StagedWeights:
-        """The weights stacked into pipeline stages on the placement's ``stage`` axis
-        (``dayzero.model.pipeline``); what it cannot pipeline was refused by ``runtime.resolve_run``."""
-        run = self.run
-        self._stages = pipeline.plan_stages(specs, run.placement.axes["stage"])
-        shardings = run.placement.shardings(pipeline.staged_specs(specs, self._stages))
-        return jax.jit(pipeline.stage_weights, static_argnums=1, out_shardings=shardings)(weights, self._stages)
 
     def _transposed(self, embed: jax.Array) -> jax.Array:
         """The [D,V] copy of a tied [V,D] embedding, laid out as an untied head would be."""
@@ -281,34 +270,27 @@ class Engine:
         if self.placement is None:
             return None
         if self._stages is not None:
-            return self.placement.shardings(pipeline.staged_cache_specs(self.config, self._stages, batch, max_len,
-                                                                        self.kv_cache))
+            return self._staged_cache_shardings(batch, max_len)
         return self.placement.shardings(cache_specs(self.config, batch, max_len, self.kv_cache))
 
     def _init_cache(self, batch: int, max_len: int):
         """An empty contiguous cache for ``batch`` rows of ``max_len`` positions (stacked by stage
         on a pipeline), laid out on the mesh."""
         if self._stages is not None:
-            dtype = self.weights.outer.embed.dtype
-            return empty_from_specs(pipeline.staged_cache_specs, self.config, self._stages, batch, max_len,
-                                    self.kv_cache, dtype, shardings=self._cache_shardings(batch, max_len))
+            return self._staged_cache(batch, max_len)
         return init_cache(self.config, batch, max_len, self.weights.embed.dtype, self.kv_cache,
                           self._cache_shardings(batch, max_len))
 
     # ---- compiled pieces -------------------------------------------------------------------
 
     def _step_impl(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache=None,
-                   images: ImageInput | None = None, rope_deltas=None):
+                   images: ImageInput | None = None, rope_deltas=None, hidden: bool = False):
         if rope_deltas is not None:  # a text step after an image prompt: positions shifted per row
             images = continuation(cache.lengths, tokens.shape[1], rope_deltas)
         if self._stages is not None:
-            num_micro = pipeline.micro_batches(tokens.shape[0], self.micro_batches)
-            logits, new = pipeline.pipeline_forward(weights, self.config, self._stages, self._parallel, tokens, cache,
-                                                    num_new, num_micro)
-            next_tokens, logprobs = sample(logits, rows, step, mode)
-            replicated = self._parallel.placement.replicated()
-            return (*jax.lax.with_sharding_constraint((next_tokens, logprobs), replicated), new)
-        return engine_step(self.config, self._parallel, weights, tokens, num_new, rows, step, mode, cache, images)
+            return self._pipeline_step(weights, tokens, num_new, rows, step, mode, cache, hidden)
+        return engine_step(self.config, self._parallel, weights, tokens, num_new, rows, step, mode, cache, images,
+                           hidden)
 
     def _append_on_mesh(self, cache, new):
         cache = pipeline.append_staged(cache, new) if self._stages is not None else append_to_cache(cache, new)
@@ -316,12 +298,15 @@ class Engine:
         return jax.lax.with_sharding_constraint(cache, self._cache_shardings(*cache.lengths.shape, cache.max_len))
 
     def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False,
-                  images: ImageInput | None = None, rope_deltas=None) -> tuple:
+                  images: ImageInput | None = None, rope_deltas=None, hidden: bool = False) -> tuple:
         """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty.
         ``images`` (a prefill chunk of an image prompt) or ``rope_deltas`` [B] (a later step of
-        one): another program, told apart in the key by the image entry count."""
+        one): another program, told apart in the key by the image entry count. ``hidden``:
+        another program that also returns the hidden states (``engine_step``), a fourth output."""
         key = base = (tokens.shape, cache.max_len, mode, fresh, np.ndim(step))  # a per-row step: another program
-        extra = {}
+        extra, static = {}, {"mode": mode}
+        if hidden:
+            key, static = key + ("hidden",), {"mode": mode, "hidden": True}
         if images is not None:
             n = 0 if images.embeds is None else images.embeds.shape[0]
             key, extra = key + ("images", n, len(images.deepstack)), {"images": self._host(images)}
@@ -331,16 +316,16 @@ class Engine:
         start = time.perf_counter()
         step = self._host(np.int32(step))
         if fresh:
-            out = self._steps.call(self._prefill, key, self.weights, tokens, num_new, rows, step, static={"mode": mode},
+            out = self._steps.call(self._prefill, key, self.weights, tokens, num_new, rows, step, static=static,
                                    **extra)
         else:
             out = self._steps.call(self._decode, key, self.weights, tokens, num_new, rows, step, cache=cache,
-                                   static={"mode": mode}, **extra)
+                                   static=static, **extra)
         cache = self._steps.call(self._append, (base, "append"), cache, out[2])
         if first:  # first call of this shape: account its compile (or load) time
             jax.block_until_ready(out[0])
             self.compile_s += time.perf_counter() - start
-        return out[0], out[1], cache
+        return (out[0], out[1], cache, *out[3:])
 
     # ---- request validation ------------------------------------------------------------------
 
@@ -410,9 +395,7 @@ class Engine:
         if not batch:
             raise GenerationError("no prompts given")
         check_max_new_tokens(max_new_tokens)
-        if self._stages is not None and (speculative is not None or images is not None):
-            raise GenerationError("a pipelined engine (--mesh stage=N) does not take speculative decoding or images "
-                                  "yet; drop the stage axis for those requests")
+        self._check_pipeline_request(speculative, images)
         if speculative is not None:
             check_speculative(self.config, self.run, speculative)
         params = [sampling] * len(batch) if isinstance(sampling, SamplingParams) else list(sampling)
@@ -501,9 +484,8 @@ class Engine:
             deltas = self._host(prefill.deltas)
         next_tok, logprob, cache = self._prefill_chunks(ids, lengths, max_new_tokens, rows, mode, prefill)
         B = len(ids)
-        in_flight = self._in_flight_micro_batches(mode, B)
-        if in_flight is not None:
-            yield from self._stream_in_flight(next_tok, logprob, cache, max_new_tokens, in_flight, rows, mode)
+        if self._in_flight_micro_batches(mode, B) is not None:  # a pipeline, micro-batches in flight
+            yield from self._stream_in_flight(next_tok, logprob, cache, max_new_tokens, rows, mode, IN_FLIGHT_STEPS)
             return
         ones = self._host(np.ones((B,), np.int32))
         for step in range(1, max_new_tokens + 1):
@@ -515,33 +497,7 @@ class Engine:
                                                           rope_deltas=deltas)
             yield np.asarray(produced[0]), np.asarray(produced[1])
 
-    def _in_flight_micro_batches(self, mode: SamplingMode, batch: int) -> int | None:
-        """The micro-batch count with which a pipelined engine decodes ``batch`` rows with
-        micro-batches in flight (``pipeline_inflight.pipeline_decode``, each row sampled on the device as
-        a plain step samples it), or None where it cannot: not a pipeline, or no divisor of the
-        batch >= the stage count (then each step runs through the pipeline on its own, draining it)."""
-        if self._stages is None:
-            return None
-        stages = self._stages.num_stages
-        m = pipeline.micro_batches(batch, max(self.micro_batches, stages))
-        return m if m >= stages else None
-
-    def _stream_in_flight(self, tok, logprob, cache, max_new_tokens: int, num_micro: int, rows: RowSampling,
-                          mode: SamplingMode):
-        """Yield the prefill's ``(tok, logprob)``, then the rest of ``max_new_tokens`` in calls of
-        up to ``IN_FLIGHT_STEPS`` steps each with ``num_micro`` micro-batches in flight."""
-        yield np.asarray(tok), np.asarray(logprob)
-        done = 1
-        while done < max_new_tokens:
-            steps = min(IN_FLIGHT_STEPS, max_new_tokens - done)
-            counts = self._host(np.full(tok.shape[0], done, np.int32))  # the token index each row samples first
-            toks, lps, cache = self._decode_loop(self.weights, tok, cache, rows, counts, steps=steps,
-                                                 num_micro=num_micro, mode=mode)
-            for i in range(steps):
-                yield np.asarray(toks[i]), np.asarray(lps[i])
-            tok, done = toks[-1], done + steps
-
-    def _prefill_chunks(self, ids, lengths, max_new_tokens, rows, mode, images=None) -> tuple:
+    def _prefill_chunks(self, ids, lengths, max_new_tokens, rows, mode, images=None, hidden: bool = False) -> tuple:
         """Prefill the prompts in chunks of at most ``PREFILL_CHUNK`` tokens.
 
         Each chunk attends to the cache written by the chunks before it, so attention memory is
@@ -549,6 +505,9 @@ class Engine:
         8000-token SmolLM2 prompt in one piece peaked at 10.8 GB of RSS). A row whose prompt
         ends in an earlier chunk keeps the token sampled there. With ``images`` (a
         ``vision_step.ImagePrefill``) each chunk gets its M-RoPE positions and image entries.
+        Returns the first tokens [B], their log-probabilities [B] and the cache; with ``hidden``
+        (the MTP drafter's prompt entries: ``engine.mtp_drafter``) also each chunk's hidden states
+        [B,T,D] after the final norm, a list in prompt order, from other compiled steps.
         """
         B, longest = len(ids), int(lengths.max())
         T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
@@ -559,16 +518,18 @@ class Engine:
         for b, row in enumerate(ids):
             tokens[b, : len(row)] = row
         first_tok = first_lp = None
+        states = []
         for start in range(0, padded, T):
             num_new = np.clip(lengths - start, 0, T).astype(np.int32)
-            tok, lp, cache = self._run_step(
+            tok, lp, cache, *state = self._run_step(
                 self._host(tokens[:, start : start + T]), cache, self._host(num_new), rows, 0, mode,
-                fresh=start == 0, images=None if images is None else images.chunk(start, T),
+                fresh=start == 0, images=None if images is None else images.chunk(start, T), hidden=hidden,
             )
+            states += state
             ends_here = self._host((lengths > start) & (lengths <= start + T))
             first_tok = tok if first_tok is None else jnp.where(ends_here, tok, first_tok)
             first_lp = lp if first_lp is None else jnp.where(ends_here, lp, first_lp)
-        return first_tok, first_lp, cache
+        return (first_tok, first_lp, cache) + ((states,) if hidden else ())
 
     def _generate_ids(self, ids, max_new_tokens, params, want_logprobs, ignore_eos, on_text, speculative=None,
                       vision=None):

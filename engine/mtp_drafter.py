@@ -18,8 +18,9 @@ as the target's p: ``draft_model.draw_draft``), so ``accept_drafts(..., draft_pr
 output distributed as the target's alone; greedy rows take q's argmax.
 
 Prompt: the module's entries for the prompt need the main model's hidden state at every prompt
-position, which the engine's prefill does not return; the drafter runs the main model over the
-prompt once more for them (chunked as the prefill is), a second prefill's cost.
+position. The engine's prefill returns them when asked (``Engine._prefill_chunks(hidden=True)``,
+one list entry per prompt chunk), so the main model runs over the prompt once; the drafter writes
+the entries chunk by chunk as the prefill did.
 """
 
 from __future__ import annotations
@@ -35,20 +36,10 @@ from dayzero.engine.draft_model import draw_draft
 from dayzero.engine.sampling import RowSampling, SamplingMode
 from dayzero.model.cache import append_to_cache, init_cache
 from dayzero.model.config import ModelConfig
-from dayzero.model.mtp import main_hidden, nextn_block_config, nextn_forward, nextn_logits
-from dayzero.model.transformer import forward
+from dayzero.model.mtp import nextn_block_config, nextn_forward, nextn_logits
 
 if TYPE_CHECKING:
     from dayzero.engine.generate import Engine
-
-
-@functools.partial(jax.jit, static_argnames=("config",))
-def prompt_hidden(weights, tokens, num_new, cache, *, config: ModelConfig):
-    """The main model's hidden states [B,T,D] over ``tokens`` (after its final norm, as the MTP
-    module reads them) and the keys/values a next chunk of the prompt attends to."""
-    layers = []
-    _, new = forward(weights, config, tokens, cache, num_new, hidden_out=layers)
-    return main_hidden(weights, config, layers[-1]), new
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -92,37 +83,31 @@ class MTPDrafter:
 
     wants_hidden = True  # the verify step returns the main model's hidden states for advance()
 
-    def __init__(self, engine: "Engine", ids: list[list[int]], first: np.ndarray, max_new_tokens: int, K: int,
-                 rows: RowSampling, mode: SamplingMode):
-        """The module's entries for the prompts ``ids`` (the last one pairs the target's first
-        token ``first`` [B] with the last prompt position's hidden state)."""
-        from dayzero.engine.generate import MIN_PROMPT_BUCKET, PREFILL_CHUNK, bucket, cache_length
+    def __init__(self, engine: "Engine", ids: list[list[int]], first: np.ndarray, hidden: list[jax.Array],
+                 max_new_tokens: int, K: int, rows: RowSampling, mode: SamplingMode):
+        """The module's entries for the prompts ``ids`` from ``hidden``, the main model's hidden
+        states of each prefill chunk [B,T,D] (``Engine._prefill_chunks(..., hidden=True)``); the
+        last entry pairs the target's first token ``first`` [B] with the last prompt position's."""
+        from dayzero.engine.generate import cache_length
 
         self.engine, self.rows, self.mode = engine, rows, mode
-        config = engine.config
         lengths = np.array([len(r) for r in ids], np.int32)
-        B, longest = len(ids), int(lengths.max())
-        T = min(bucket(longest, MIN_PROMPT_BUCKET), PREFILL_CHUNK)
-        padded = -(-longest // T) * T
+        B, T = len(ids), hidden[0].shape[1]
+        padded = T * len(hidden)
+        if hidden[0].shape[0] != B or padded < lengths.max():
+            raise ValueError(f"hidden states of {len(hidden)} chunks of shape {hidden[0].shape} do not cover {B} "
+                             f"prompts of up to {lengths.max()} tokens; pass the prefill's own (hidden=True)")
         # Room as the target's cache has: the rows' tokens and the chain's entries past them.
-        max_len = cache_length(longest, max_new_tokens + K)
-        dtype = engine.weights.embed.dtype
-        self.cache = init_cache(nextn_block_config(config), B, max_len, dtype, engine.kv_cache)
-        main = init_cache(config, B, max_len, dtype, engine.kv_cache) if padded > T else None
-        tokens, shifted = np.zeros((B, padded), np.int32), np.zeros((B, padded), np.int32)
+        max_len = cache_length(int(lengths.max()), max_new_tokens + K)
+        self.cache = init_cache(nextn_block_config(engine.config), B, max_len, engine.weights.embed.dtype,
+                                engine.kv_cache)
+        shifted = np.zeros((B, padded), np.int32)
         for b, row in enumerate(ids):
-            tokens[b, : len(row)] = row
             shifted[b, : len(row)] = list(row[1:]) + [int(first[b])]
         self.stale = np.zeros(B, bool)
-        for start in range(0, padded, T):
+        for start, states in zip(range(0, padded, T), hidden):
             num_new = jnp.asarray(np.clip(lengths - start, 0, T).astype(np.int32))
-            chunk = jnp.asarray(tokens[:, start: start + T])
-            hidden, new = engine._steps.call(prompt_hidden, ("mtp_prompt", chunk.shape, max_len, start == 0),
-                                             engine.weights, chunk, num_new, None if start == 0 else main,
-                                             static={"config": config})
-            if main is not None:
-                main = engine._steps.call(engine._append, ("mtp_prompt_append", chunk.shape, max_len), main, new)
-            logits, out = self._entries(jnp.asarray(shifted[:, start: start + T]), hidden, num_new)
+            logits, out = self._entries(jnp.asarray(shifted[:, start: start + T]), states, num_new)
             ends_here = jnp.asarray((lengths > start) & (lengths <= start + T))[:, None]
             self.logits = logits if start == 0 else jnp.where(ends_here, logits, self.logits)
             self.out = out if start == 0 else jnp.where(ends_here, out, self.out)

@@ -54,6 +54,7 @@ from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import HeadSplit
 from dayzero.model.linear_cache import HybridCache
 from dayzero.model.mrope import ImageInput, continuation
+from dayzero.model.mtp import main_hidden
 from dayzero.model.paged_cache import append_to_pages, init_paged_cache, kernel_view, paged_cache_specs, with_written
 from dayzero.model.parallel import Parallel
 from dayzero.model.pipeline import micro_batches, pipeline_forward
@@ -97,12 +98,15 @@ def _image_positions(images, rope_deltas, lengths, T: int):
     return continuation(lengths, T, rope_deltas) if rope_deltas is not None else images
 
 
-@functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel", "all_logits"))
+@functools.partial(jax.jit, static_argnames=("config", "kernels", "parallel", "all_logits", "hidden"))
 def _forward_logits(weights, tokens, num_new, cache, images=None, rope_deltas=None, *, config,
-                    kernels=KernelMode.REFERENCE, parallel=None, all_logits=False):
+                    kernels=KernelMode.REFERENCE, parallel=None, all_logits=False, hidden=False):
+    # ``hidden``: (logits, the post-final-norm hidden states [B,T,D]) in place of the logits (MTP).
     images = _image_positions(images, rope_deltas, None if cache is None else cache.lengths, tokens.shape[1])
-    return forward(weights, config, tokens, cache, num_new, kernels=kernels, parallel=parallel, images=images,
-                   all_logits=all_logits)
+    layers = [] if hidden else None
+    logits, new = forward(weights, config, tokens, cache, num_new, kernels=kernels, parallel=parallel, images=images,
+                          all_logits=all_logits, hidden_out=layers)
+    return ((logits, main_hidden(weights, config, layers[-1])) if hidden else logits), new
 
 
 @functools.partial(jax.jit, static_argnames=("config", "plan", "parallel", "num_micro"))
@@ -274,7 +278,7 @@ class PagedSteps:
 
     def run_step(self, tokens: np.ndarray, num_new: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
                  width: int | None, slots: np.ndarray | None = None, images: ImageInput | None = None,
-                 rope_deltas: np.ndarray | None = None, all_logits: bool = False) -> jax.Array:
+                 rope_deltas: np.ndarray | None = None, all_logits: bool = False, hidden: bool = False) -> jax.Array:
         """Forward ``tokens`` [B,T] (``num_new`` real per row) after each row's ``lengths``
         cached positions, write their keys/values into the pages of ``tables`` [B, full width]
         and return the logits of each row's last real token [B,V] (on the device).
@@ -286,7 +290,8 @@ class PagedSteps:
         ``rope_deltas`` [B]: the rows' position shifts in a decode step after image prompts (each
         another program, compiled on first use: ``warmup`` compiles the text-only steps).
         ``all_logits``: return every position's logits [B,T,V] (a speculative verify step; on the
-        gathered reference path).
+        gathered reference path). ``hidden``: return (logits, the target's post-final-norm hidden
+        states [B,T,D] of the step's positions), as the MTP drafter reads them (reference path too).
         """
         shape = (*tokens.shape, width)
         self.shapes_run.add(shape)
@@ -295,6 +300,8 @@ class PagedSteps:
                                                          rope_deltas)
         if all_logits:  # (speculation runs on the reference path only: serving_spec refuses kernels)
             signature, static = signature + ("all_logits",), dict(static, all_logits=True)
+        if hidden:
+            signature, static = signature + ("hidden",), dict(static, hidden=True)
         with self._compiling(signature) as done:
             if fn is _forward_in_place:
                 logits, self.pool = _STEPS.call(fn, signature, *args, static=static)

@@ -96,7 +96,7 @@ class ServingEngine:
         run = config.run_for(engine.config, engine.run)
         self.config = config.resolve(engine.config, run)
         self.steps = PagedSteps(engine.config, engine.weights, self.config, run, host=engine._host)
-        self.draft = serving_spec.draft_pool(self)  # a draft model's page pool (``serving_draft``), or None
+        self.draft = serving_spec.draft_pool(self)  # the draft model's or MTP module's page pool, or None
         self.pool = PagePool(self.config.num_pages)  # the pages' bookkeeping
         # Which prefixes' slot states are kept (models with per-slot states and a prefix cache).
         self.snapshots = SnapshotPool(self.config.state_snapshots) if self.steps.snapshots is not None else None
@@ -445,8 +445,10 @@ class ServingEngine:
         tokens = np.zeros((1, T), np.int32)
         tokens[0, :n] = r.tokens[start : start + n]
         images = None if r.images is None else r.images.chunk(self.engine, r.tokens[: r.prefill_target], start, T)
+        mtp = self.draft is not None and self.draft.wants_hidden  # the MTP pool reads the chunk's hidden states
         logits = self.steps.run_step(tokens, np.array([n]), np.array([start]), self._tables([r], 1), W,
-                                     np.array([r.slot]), images=images)
+                                     np.array([r.slot]), images=images, hidden=mtp)
+        logits = self.draft.prefilled(r, start, n, T, W, *logits) if mtp else logits
         self._written(r, n)
         self._snapshot(r)
         self.stats.prefill_tokens += n

@@ -57,46 +57,72 @@ def _draw(logits, temperature, top_k, top_p, min_p, keys, steps, *, mode: Sampli
     return draw_draft(logits, rows, steps, mode, vocab)
 
 
-class DraftPool:
+class SidePool:
+    """A drafter's page pool beside a serving engine's (``steps``: its ``PagedSteps``, made with
+    the target's resolved ``ServingConfig``, so the block tables address it), and what it holds
+    of each running request, tagged with the request's admission (a readmission starts afresh).
+    Shared by :class:`DraftPool` and ``serving_mtp.MTPPool``."""
+
+    wants_hidden = False  # whether the target's steps hand it their hidden states (the MTP pool)
+
+    def __init__(self, server: "ServingEngine", steps: PagedSteps):
+        """The pool ``steps`` beside ``server`` (its config resolved), holding nothing yet."""
+        self.server, self.steps, self.K = server, steps, server.config.speculative.num_draft_tokens
+        self._held: dict[int, tuple] = {}  # request id -> (its admission, what the pool holds of it)
+
+    def _get(self, r: "_Request", default):
+        """What the pool holds of ``r`` in its current admission (``default`` if nothing)."""
+        admitted, value = self._held.get(r.id, (None, default))
+        return value if admitted == r.admitted else default
+
+    def _put(self, r: "_Request", value) -> None:
+        self._held[r.id] = (r.admitted, value)
+
+    def _batch(self, decoding: list["_Request"], B: int) -> tuple:
+        """(tables [B, full width], table width, RowParams, SamplingMode, each row's first draft's
+        index among its generated tokens [B]) of a drafting step; finished requests are forgotten."""
+        running = {r.id for r in self.server._running()}
+        self._held = {i: v for i, v in self._held.items() if i in running}  # finished, cancelled: forgotten
+        cfg = self.server.config
+        width = cfg.table_width(max(cfg.pages_for(r.computed + 1 + self.K) for r in decoding))
+        params = [r.params for r in decoding]
+        steps = np.zeros(B, np.int32)
+        steps[: len(decoding)] = [r.generated for r in decoding]
+        return (self.server._tables(decoding, B), width, RowParams.of(params, [r.key for r in decoding], B),
+                sampling_mode(params), steps)
+
+
+class DraftPool(SidePool):
     """The draft model's page pool beside a serving engine's, and each request's ``draft_computed``."""
 
     def __init__(self, server: "ServingEngine"):
         """The pool for ``server`` (its config resolved, speculating with a draft model)."""
-        cfg, spec = server.config, server.config.speculative
-        self.server, self.draft, self.K = server, spec.draft, spec.num_draft_tokens
-        if self.draft.config.max_position_embeddings < cfg.max_context:
+        cfg, draft = server.config, server.config.speculative.draft
+        if draft.config.max_position_embeddings < cfg.max_context:
             raise GenerationError(
-                f"the draft model's context ({self.draft.config.max_position_embeddings} tokens) is shorter than "
+                f"the draft model's context ({draft.config.max_position_embeddings} tokens) is shorter than "
                 f"this server's max_context of {cfg.max_context}; lower max_context or use a draft model with a "
                 "longer context")
         # Same page size, page count and slots as the target's: the block tables address both pools.
-        self.steps = PagedSteps(self.draft.config, self.draft.weights, cfg, self.draft.run, host=self.draft._host)
-        self._held: dict[int, tuple[int, int]] = {}  # request id -> (its admission, draft_computed)
+        super().__init__(server, PagedSteps(draft.config, draft.weights, cfg, draft.run, host=draft._host))
+        self.draft = draft
         self.caught_up_tokens = 0  # tokens the draft ran through catch-up prefill chunks
         self.draft_steps = 0  # batched drafting steps (one per draft position)
 
     def held(self, r: "_Request") -> int:
         """``draft_computed`` of ``r``: its leading positions whose draft keys/values are in the
         draft pool (0 after every admission: a readmitted request's draft recomputes)."""
-        admitted, held = self._held.get(r.id, (None, 0))
-        return held if admitted == r.admitted else 0
+        return self._get(r, 0)
 
     def _set(self, r: "_Request", held: int) -> None:
-        self._held[r.id] = (r.admitted, held)
+        self._put(r, held)
 
     def propose(self, decoding: list["_Request"], counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, jax.Array | None]:
         """Drafts [B,K] for the ``decoding`` rows, ``counts`` [B] of them each (B the decode
         batch), with their distributions q [B,K,V] (None for a greedy batch); the counts as given."""
-        running = {r.id for r in self.server._running()}
-        self._held = {i: v for i, v in self._held.items() if i in running}  # finished, cancelled: forgotten
-        B, K, cfg = len(counts), self.K, self.server.config
+        B, K = len(counts), self.K
+        tables, width, rows, mode, steps = self._batch(decoding, B)
         tokens, num_new, lengths = self._pending(decoding, counts)
-        tables = self.server._tables(decoding, B)
-        width = cfg.table_width(max(cfg.pages_for(r.computed + 1 + K) for r in decoding))
-        params = [r.params for r in decoding]
-        rows, mode = RowParams.of(params, [r.key for r in decoding], B), sampling_mode(params)
-        steps = np.zeros(B, np.int32)
-        steps[: len(decoding)] = [r.generated for r in decoding]  # draft 1's index among the generated tokens
         drafts, probs = np.zeros((B, K), np.int32), []
         for i in range(int(counts.max())):
             logits = self.steps.run_step(tokens, num_new, lengths, tables, width)
@@ -159,10 +185,11 @@ class DraftPool:
         signature = ("draft_draw", self.draft.config, len(steps), mode, vocab)
         return _STEPS.call(_draw, signature, logits, *args, static=dict(mode=mode, vocab=vocab))
 
-    def advance(self, decoding: list["_Request"], counts: np.ndarray, accepted: np.ndarray) -> None:
+    def advance(self, decoding: list["_Request"], counts: np.ndarray, accepted: np.ndarray, hidden=None) -> None:
         """After a verify step in which each row accepted ``accepted`` [B] of its ``counts`` [B]
         drafts (called before the rows' tokens are appended): the draft pool keeps the tokens
-        before the step and the accepted drafts it was fed, at most ``counts - 1``."""
+        before the step and the accepted drafts it was fed, at most ``counts - 1``. (``hidden``:
+        the step's hidden states, which only the MTP pool reads.)"""
         for row, r in enumerate(decoding):
             if counts[row]:
                 self._set(r, len(r.tokens) + min(int(accepted[row]), int(counts[row]) - 1))

@@ -17,7 +17,9 @@ are per position) or one asking for top logprobs runs the plain decode step.
 
 With a draft model (``SpecConfig('draft', draft=Engine)``) the drafts come from
 ``serving_draft.DraftPool`` instead: the draft model on a page pool of its own, addressed by the
-same block tables, drawing each draft from its distribution q, which the acceptance takes.
+same block tables, drawing each draft from its distribution q, which the acceptance takes. With
+the MTP drafter (``SpecConfig('mtp')``) from ``serving_mtp.MTPPool``: the model's own MTP module
+on a pool of its own, fed the hidden states the target's prefill and verify steps return.
 """
 
 from __future__ import annotations
@@ -42,9 +44,6 @@ def check_serving_speculation(spec, model, run) -> None:
     """Raise :class:`GenerationError` if a serving engine cannot speculate with ``spec``."""
     if not isinstance(spec, SpecConfig):
         raise GenerationError(f"speculative={spec!r} is not a SpecConfig")
-    if spec.kind is DraftKind.MTP:
-        raise GenerationError("serving speculates with the ngram and draft-model drafters, not mtp (the paged steps "
-                              "do not return the hidden states it reads); use --speculative ngram or draft:DIR")
     if spec.kind is DraftKind.DRAFT and not isinstance(spec.draft, Engine):
         raise GenerationError(f"the draft model {spec.draft!r} is not an Engine; pass SpecConfig('draft', "
                               "draft=Engine.load(DIR))")
@@ -53,15 +52,24 @@ def check_serving_speculation(spec, model, run) -> None:
         # The draft's vocabulary, and its own steps' roll-back: a draft with per-slot states
         # (a hybrid, DeepSeek-V4), on a mesh or on the kernels is refused there.
         reason = draft_refusal(spec.draft, model)
+    if reason is None and spec.kind is DraftKind.MTP:  # a model with a kept MTP module
+        from dayzero.engine.serving_mtp import mtp_serving_refusal
+
+        reason = mtp_serving_refusal(model)
     if reason is not None:
         raise GenerationError(reason)
 
 
 def draft_pool(server: "ServingEngine"):
-    """The draft model's page pool of a ``server`` speculating with a draft model, else None."""
+    """The drafter's page pool of a ``server`` speculating with a draft model
+    (``serving_draft.DraftPool``) or the MTP module (``serving_mtp.MTPPool``), else None."""
     spec = server.config.speculative
-    if spec is None or spec.kind is not DraftKind.DRAFT:
+    if spec is None or spec.kind is DraftKind.NGRAM:
         return None
+    if spec.kind is DraftKind.MTP:
+        from dayzero.engine.serving_mtp import MTPPool
+
+        return MTPPool(server)
     from dayzero.engine.serving_draft import DraftPool
 
     return DraftPool(server)
@@ -120,8 +128,10 @@ def verify(server: "ServingEngine", decoding: list["_Request"], drafts: np.ndarr
         num_new[row], lengths[row], slots[row] = 1 + counts[row], r.computed, r.slot
     cfg = server.config
     width = cfg.table_width(max(cfg.pages_for(r.computed + 1 + K) for r in decoding))
-    steps_ = server.steps
-    logits = steps_.run_step(tokens, num_new, lengths, server._tables(decoding, B), width, slots, all_logits=True)
+    steps_, hidden = server.steps, server.draft is not None and server.draft.wants_hidden
+    logits = steps_.run_step(tokens, num_new, lengths, server._tables(decoding, B), width, slots, all_logits=True,
+                             hidden=hidden)
+    logits, states = logits if hidden else (logits, None)  # the MTP pool's entries come from ``states``
     params = [r.params for r in decoding]
     rows = RowParams.of(params, [r.key for r in decoding], B)
     generated = np.zeros(B, np.int32)
@@ -133,7 +143,7 @@ def verify(server: "ServingEngine", decoding: list["_Request"], drafts: np.ndarr
                       logits, *args, static=dict(mode=mode, layout=steps_.sample_layout))
     out_tokens, out_logprobs, accepted = (np.asarray(x) for x in out)
     if server.draft is not None:  # before the rows' tokens grow: the draft keeps what it was fed and was accepted
-        server.draft.advance(decoding, counts, accepted)
+        server.draft.advance(decoding, counts, accepted, states)
     server.stats.decode_steps += 1
     events = []
     for row, r in enumerate(decoding):

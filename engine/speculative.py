@@ -327,8 +327,9 @@ def _verify(engine: "Engine", tokens, num_new, rows, steps, mode, cache, draft_p
 
 
 def _drafter(engine: "Engine", spec: SpecConfig, ids: list[list[int]], first: np.ndarray, max_new_tokens: int,
-             rows: RowSampling, mode: SamplingMode):
-    """The drafter object of a draft-model or MTP run (None for n-gram drafts, drawn on the host)."""
+             rows: RowSampling, mode: SamplingMode, hidden: list | None = None):
+    """The drafter object of a draft-model or MTP run (None for n-gram drafts, drawn on the host);
+    ``hidden``: the prefill's hidden states, which the MTP drafter reads."""
     K = spec.num_draft_tokens
     if spec.kind is DraftKind.DRAFT:
         from dayzero.engine.draft_model import DraftModel
@@ -337,7 +338,7 @@ def _drafter(engine: "Engine", spec: SpecConfig, ids: list[list[int]], first: np
     if spec.kind is DraftKind.MTP:
         from dayzero.engine.mtp_drafter import MTPDrafter
 
-        return MTPDrafter(engine, ids, first, max_new_tokens, K, rows, mode)
+        return MTPDrafter(engine, ids, first, hidden, max_new_tokens, K, rows, mode)
     return None
 
 
@@ -352,8 +353,10 @@ def stream_speculative(engine: "Engine", ids: list[list[int]], max_new_tokens: i
     mode, rows = batch_sampling(params)
     lengths = np.array([len(r) for r in ids], np.int32)
     # Room for the drafts past the last kept token: a verify step writes K+1 positions.
-    tok, lp, cache = engine._prefill_chunks(ids, lengths, max_new_tokens + K, rows, mode)
-    drafter = _drafter(engine, spec, ids, np.asarray(tok), max_new_tokens, rows, mode)
+    # The MTP drafter reads the prompt's hidden states: the prefill returns them (one forward).
+    tok, lp, cache, *prompt_states = engine._prefill_chunks(ids, lengths, max_new_tokens + K, rows, mode,
+                                                             hidden=spec.kind is DraftKind.MTP)
+    drafter = _drafter(engine, spec, ids, np.asarray(tok), max_new_tokens, rows, mode, *prompt_states)
     hidden = getattr(drafter, "wants_hidden", False)
     seqs = [np.array(r, np.int32) for r in ids]
     produced = np.zeros(B, np.int64)

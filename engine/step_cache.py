@@ -37,6 +37,7 @@ from typing import Any, Callable, Hashable
 import jax
 from jax.experimental import serialize_executable
 
+from dayzero.kernels import cpu_matvec
 from dayzero.model.quant import NIBBLE_TYPES
 
 log = logging.getLogger(__name__)
@@ -97,7 +98,8 @@ def _environment() -> str:
     devices = [(d.platform, d.device_kind, d.id, d.process_index) for d in jax.devices()]
     settings = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision)
     return repr((source_digest(), jax.__version__, jaxlib.__version__, jax.default_backend(), devices,
-                 jax.process_index(), jax.process_count(), os.environ.get("XLA_FLAGS", ""), settings))
+                 jax.process_index(), jax.process_count(), os.environ.get("XLA_FLAGS", ""), settings,
+                 cpu_matvec.fingerprint()))
 
 
 def _leaf_signature(leaf: Any) -> tuple:
@@ -207,6 +209,7 @@ class StepCache:
     def _read(path: Path) -> Callable | None:
         try:
             blob, in_tree, out_tree = pickle.loads(path.read_bytes())
+            cpu_matvec.available(build=False)  # a stored step may call the native kernel: register it first
             return serialize_executable.deserialize_and_load(blob, in_tree, out_tree)
         except FileNotFoundError:
             return None

@@ -13,6 +13,10 @@ Per-output-channel scales are applied once to the sum; block scales (int4 groups
 tile, whose rows then lie inside one block.
 
 Rows that no tile size divides go through one dequantized dot of the remaining rows (the tail).
+
+int8 weights with per-channel scales skip the scan where the native kernel builds
+(``dayzero.kernels.cpu_matvec``: the int8 rows converted in registers, never written as fp32);
+the scan stays the reference it is tested against, and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from dayzero.kernels import cpu_matvec
 from dayzero.model.quant import QuantizedArray, dequantized
 
 # Most activation rows (B*T) for which the tiled path is taken: a decode step (one token per row).
@@ -59,7 +64,11 @@ def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
                              f"{tuple(range(n_in))}, got {w.in_axes}")
         rows = math.prod(x.shape[:-1])
         if _tiled_here() and rows <= TILED_MAX_ROWS:
-            y = _tiled(x.reshape(rows, n_rows_in).astype(out_dtype), w, n_rows_in, math.prod(out_dims))
+            x2 = x.reshape(rows, n_rows_in)
+            if _native_int8(w, n_rows_in):
+                y = cpu_matvec.matvec_int8(x2, w.values.reshape(n_rows_in, -1), w.scale.reshape(-1)).astype(out_dtype)
+            else:
+                y = _tiled(x2.astype(out_dtype), w, n_rows_in, math.prod(out_dims))
             return y.reshape(*x.shape[:-1], *out_dims)
     matrix = dequantized(w, x.dtype).reshape(n_rows_in, *out_dims)
     return jnp.tensordot(x, matrix, axes=1, preferred_element_type=out_dtype).astype(out_dtype)
@@ -69,6 +78,14 @@ def _tiled_here() -> bool:
     """Whether the tiled path runs: on single-device XLA:CPU. GPU/TPU fuse the dequantization into
     the dot's operand read, and on a mesh a scan over a sharded input axis would gather it."""
     return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
+def _native_int8(w: QuantizedArray, n_in: int) -> bool:
+    """Whether ``w`` (``n_in`` input rows) goes to the native int8 kernel
+    (``kernels.cpu_matvec``): int8 values with one scale per output column, where the kernel
+    builds on this host."""
+    return (w.values.dtype == jnp.int8 and w.block is None and w.scale.size * n_in == w.values.size
+            and cpu_matvec.available())
 
 
 def tile_rows(n_in: int, n_out: int, block_rows: int | None = None) -> int:

@@ -62,9 +62,14 @@ def _dense_reference(q, k_cache, v_cache, k_new, v_new, masks, sinks=None) -> np
     return np.einsum("bnts,bsnh->btnh", probs, values[:, :, heads])
 
 
-def _check(out, expected):
-    assert np.all(np.isfinite(np.asarray(out)))
-    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5, rtol=1e-5)
+def _assert_matches(out, expected):
+    """Assert ``out`` is finite (no NaN from an unwritten position) and equals the float64
+    reference within 1e-5. Measured: at most 2.2e-7 for ``attend``, 1.9e-6 for ``attend_latent``
+    (outputs up to ~3); a block skipped or counted twice moved 3-83% of the entries."""
+    out = np.asarray(out)
+    bad = int(np.sum(~np.isfinite(out)))
+    assert bad == 0, f"{bad} of {out.size} outputs are not finite: a position past a row's length was read"
+    np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
 # A cache length that is a multiple of the block and one that is not; decode and a short chunk.
@@ -74,7 +79,7 @@ def test_blocked_equals_whole_cache(S, T, window):
     q, kc, vc, kn, vn, starts, num_new = _inputs(S, T, [min(n, S) for n in LENGTHS])
     masks = attention_masks(starts, num_new, T, S, window)
     out = jax.jit(attend)(q, kc, vc, kn, vn, masks)
-    _check(out, _dense_reference(q, kc, vc, kn, vn, masks))
+    _assert_matches(out, _dense_reference(q, kc, vc, kn, vn, masks))
 
 
 def test_blocked_with_sinks_equals_whole_cache():
@@ -83,7 +88,7 @@ def test_blocked_with_sinks_equals_whole_cache():
     sinks = jnp.asarray([0.5, -1.0, 2.0, -jnp.inf, 0.0, 3.0], jnp.float32)
     masks = attention_masks(starts, num_new, T, S, None)
     out = jax.jit(attend, static_argnums=6)(q, kc, vc, kn, vn, masks, False, sinks)
-    _check(out, _dense_reference(q, kc, vc, kn, vn, masks, sinks))
+    _assert_matches(out, _dense_reference(q, kc, vc, kn, vn, masks, sinks))
 
 
 @pytest.mark.parametrize("fmt", [ValueFormat.INT8, ValueFormat.FP8])
@@ -94,7 +99,7 @@ def test_quantized_cache_dequantized_per_block(fmt):
     masks = attention_masks(starts, num_new, T, S, None)
     out = jax.jit(attend)(q, kq, vq, kn, vn, masks)
     assert isinstance(kq, QuantizedArray)
-    _check(out, _dense_reference(q, kq, vq, kn, vn, masks))
+    _assert_matches(out, _dense_reference(q, kq, vq, kn, vn, masks))
 
 
 def test_token_major_keys_equal_head_major():
@@ -102,7 +107,7 @@ def test_token_major_keys_equal_head_major():
     q, kc, vc, kn, vn, starts, num_new = _inputs(S, T, LENGTHS[:5])
     masks = attention_masks(starts, num_new, T, S, None)
     out = jax.jit(attend, static_argnums=6)(q, kc.transpose(0, 1, 3, 2), vc, kn, vn, masks, True)
-    _check(out, _dense_reference(q, kc, vc, kn, vn, masks))
+    _assert_matches(out, _dense_reference(q, kc, vc, kn, vn, masks))
 
 
 def _poisoned(x: jax.Array, lengths: jax.Array, axis: int) -> jax.Array:
@@ -142,4 +147,4 @@ def test_latent_attention_blocked_and_never_reads_past_the_length():
     scores = np.where(mask, np.einsum("btnc,bsc->btns", np.asarray(q, np.float64), rows), -np.inf)
     e = np.exp(scores - scores.max(axis=-1, keepdims=True))
     expected = np.einsum("btns,bsc->btnc", e / e.sum(axis=-1, keepdims=True), rows)
-    _check(out, expected)
+    _assert_matches(out, expected)

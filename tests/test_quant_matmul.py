@@ -30,6 +30,13 @@ CASES = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _scan_only(monkeypatch):
+    """These tests check the tiled scan, the pure-jnp path (and the native int8 kernel's reference,
+    tests/test_cpu_matvec.py): keep int8 off the native kernel here."""
+    monkeypatch.setenv("DAYZERO_NATIVE_CPU", "0")
+
+
 def _weight(n_in: int, n_out: int, seed: int = 0) -> jax.Array:
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.standard_normal((n_in, n_out)).astype(np.float32) * np.logspace(-1, 1, n_out))

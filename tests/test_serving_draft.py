@@ -209,7 +209,6 @@ def test_refusals(tiny_engine):
                    kernels="reference")
     refused(_spec(short), r"draft model's context \(64 tokens\) is shorter than this server's max_context of 80")
     refused(SpecConfig("draft", draft="a path"), "is not an Engine")
-    refused(SpecConfig("mtp"), "not mtp")
 
 
 def test_serve_option(tiny_model):

@@ -323,7 +323,8 @@ def test_sampled_drafts_follow_q_and_the_emission_follows_p(mirror):
     prompt = np.random.default_rng(1).integers(0, VOCAB, 10).tolist()
     for params in EMISSION_PARAMS:
         mode, rows = batch_sampling([dataclasses.replace(params, seed=i) for i in range(N)])
-        drafter = MTPDrafter(engine, [prompt] * N, np.full(N, first), 4, 2, rows, mode)
+        *_, hidden = engine._prefill_chunks([prompt] * N, np.full(N, len(prompt)), 4 + 2, rows, mode, hidden=True)
+        drafter = MTPDrafter(engine, [prompt] * N, np.full(N, first), hidden, 4, 2, rows, mode)
         drafts, q = drafter.propose(np.ones(N, bool), np.ones(N, np.int32), 2)
         q0 = np.asarray(q[0, 0], np.float64)
         assert _chi2_p(np.bincount(drafts[:, 0], minlength=VOCAB), q0 * N) > 1e-6
