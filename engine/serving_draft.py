@@ -78,6 +78,18 @@ class SidePool:
     def _put(self, r: "_Request", value) -> None:
         self._held[r.id] = (r.admitted, value)
 
+    def _chunks(self, r: "_Request", start: int, end: int):
+        """``r``'s tokens [start, end) as one-row prefill chunks of the serving chunk policy:
+        (tokens [1, T], real tokens n, chunk start, table width W) each."""
+        cfg = self.server.config
+        while start < end:
+            T, W = cfg.chunk_shape(start, end - start)
+            n = min(T, end - start)
+            tokens = np.zeros((1, T), np.int32)
+            tokens[0, :n] = r.tokens[start : start + n]
+            yield tokens, n, start, W
+            start += n
+
     def _batch(self, decoding: list["_Request"], B: int) -> tuple:
         """(tables [B, full width], table width, RowParams, SamplingMode, each row's first draft's
         index among its generated tokens [B]) of a drafting step; finished requests are forgotten."""
@@ -158,7 +170,7 @@ class DraftPool(SidePool):
     def _catch_up(self, r: "_Request") -> None:
         """Draft prefill chunks over ``r``'s tokens from ``draft_computed`` to all but its last,
         when more than two are pending (fewer are fed by the first drafting step itself)."""
-        start, end, cfg = self.held(r), len(r.tokens) - 1, self.server.config
+        start, end = self.held(r), len(r.tokens) - 1
         if end + 1 - start <= 2:
             return
         # A page shared through the prefix cache may be written here again: its positions hold the
@@ -166,13 +178,8 @@ class DraftPool(SidePool):
         # the values already there (to rounding). Nor would other values break losslessness: the
         # acceptance only needs each draft's q to be the distribution it was drawn from.
         table = self.server._tables([r], 1)
-        while start < end:
-            T, W = cfg.chunk_shape(start, end - start)
-            n = min(T, end - start)
-            tokens = np.zeros((1, T), np.int32)
-            tokens[0, :n] = r.tokens[start : start + n]
-            self.steps.run_step(tokens, np.array([n]), np.array([start]), table, W)
-            start += n
+        for tokens, n, at, W in self._chunks(r, start, end):
+            self.steps.run_step(tokens, np.array([n]), np.array([at]), table, W)
             self.caught_up_tokens += n
         self._set(r, end)
 

@@ -162,18 +162,13 @@ class MTPPool(SidePool):
     def _catch_up(self, r: "_Request", end: int) -> None:
         """Recompute the target's hidden states of ``r``'s positions from its last entry to
         ``end`` (its pages hold them: the forward writes nothing) and absorb them."""
-        start, cfg, steps = self._state(r)[0], self.server.config, self.server.steps
+        start, steps = self._state(r)[0], self.server.steps
         self._put(r, (start, None, 0))
         table = self.server._tables([r], 1)
-        while start < end:
-            T, W = cfg.chunk_shape(start, end - start)
-            n = min(T, end - start)
-            tokens = np.zeros((1, T), np.int32)
-            tokens[0, :n] = r.tokens[start : start + n]
-            fn, signature, args, static = steps._forward_call(tokens, np.array([n]), np.array([start]), table, W)
+        for tokens, n, at, W in self._chunks(r, start, end):
+            fn, signature, args, static = steps._forward_call(tokens, np.array([n]), np.array([at]), table, W)
             (_, hidden), _ = _STEPS.call(fn, signature + ("hidden",), *args, static=dict(static, hidden=True))
-            self._absorb(r, start, n, T, W, hidden)
-            start += n
+            self._absorb(r, at, n, tokens.shape[1], W, hidden)
             self.caught_up_tokens += n
 
     # ---- drafting -------------------------------------------------------------------------------

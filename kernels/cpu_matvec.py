@@ -150,5 +150,8 @@ def matvec_int8(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     if values.shape[0] != K or values.dtype != jnp.int8 or scale.shape != (values.shape[1],):
         raise ValueError(f"matvec_int8 takes x [M,K], int8 values [K,N] and scale [N]; got {x.shape}, "
                          f"{values.dtype}{values.shape}, {scale.shape}")
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, values.shape[1]), jnp.float32))
+    # Under vmap (a caller batching layers or experts) each product is its own call: correct, and
+    # the rows of one call stay few, as the kernel wants.
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, values.shape[1]), jnp.float32),
+                            vmap_method="sequential")
     return call(x.astype(jnp.float32), values, scale.astype(jnp.float32))

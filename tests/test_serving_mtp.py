@@ -188,6 +188,7 @@ def sampled_runs(engine):
     return types.SimpleNamespace(tokens=tokens, stats=server.stats, exact=_exact_marginals(engine, HOT))
 
 
+@pytest.mark.slow  # ~25 s; the chi-square test of serving speculation runs by default in test_serving_draft.py
 def test_sampled_tokens_are_distributed_as_the_targets(sampled_runs):
     """Tokens 1 and 2 (the first verify step's: an accepted draft, a residual or a bonus draw)
     follow the target's marginals."""

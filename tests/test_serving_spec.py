@@ -84,7 +84,8 @@ def test_sampled_requests_run_and_constrained_batches_decode_plainly(tiny_engine
 
 
 def test_refusals(tiny_engine):
-    with pytest.raises(GenerationError, match="not mtp"):  # (draft models: tests/test_serving_draft.py)
+    # (draft models: tests/test_serving_draft.py; the MTP drafter: tests/test_serving_mtp.py)
+    with pytest.raises(GenerationError, match="mtp needs a model with multi-token-prediction layers"):
         ServingEngine(tiny_engine, dataclasses.replace(BASE, speculative=SpecConfig("mtp")))
     with pytest.raises(GenerationError, match="not with --kernels"):
         ServingEngine(tiny_engine, dataclasses.replace(BASE, speculative=SPEC, kernels="pallas_interpret"))
