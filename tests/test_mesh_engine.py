@@ -66,6 +66,8 @@ def test_kv_cache_is_laid_out_by_its_logical_axes(dense):
     assert dense["dp2tp4"]["k_cache_spec"] == ["data", "tensor", "None", "None"]
 
 
+# The test models' router margins (no ties): fixed seeds, checked with -m slow (suite time).
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["moe", pytest.param("glm", marks=pytest.mark.slow),
                                    pytest.param("minimax", marks=pytest.mark.slow)])
 def test_moe_router_has_clear_choices(request, model):

@@ -65,7 +65,9 @@ def moe_dir(tiny_moe_hf, tmp_path_factory):
                               quantize="int8")
 
 
-@pytest.mark.parametrize("mesh", ["tensor=2,expert=4", pytest.param("data=2,tensor=4", marks=pytest.mark.slow)])
+# Slow for suite time: quantized kernels on a mesh serve in one process by default (test_mesh_serving).
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", ["tensor=2,expert=4", "data=2,tensor=4"])
 def test_two_processes_serve_quantized_moe_on_kernels(moe_dir, capsys, mesh):
     """Everything at once over two processes x four devices: int8 weights, expert parallelism
     (tensor=2 x expert=4) or data x tensor, an int8 KV cache and the kernels (interpreted) reading

@@ -248,6 +248,7 @@ def test_pipelined_dense_first_generation_matches_one_device():
     assert got["same_tokens"] and got["logprob_diff"] < 1e-4 and got["decode_compiles"] == 0, got
 
 
+@pytest.mark.slow  # ~25 s (suite time); quantized weights in a pipeline also run in test_pipeline_serving.py -m slow
 def test_pipelined_quantized_logits_match_one_device():
     """int8 and fp8-block weights (every projection, the routed experts inside the nested
     expert-parallel block too) on stage=2,tensor=2,expert=2: pipelined logits equal the same

@@ -153,6 +153,7 @@ def test_images_on_the_kernels(qwen3vl):
     _same(out, ref)
 
 
+@pytest.mark.slow  # ~21 s; Qwen3-VL image requests are served by default
 def test_kimi_image_requests(kimi):
     """Kimi-K2.5 (latent attention, plain positions): two image requests and a text request served
     at once, each ``Engine.generate``'s alone (itself HF's: tests/test_vision_kimi_generate.py)."""
