@@ -122,7 +122,6 @@ def test_prefill_then_decode_matches_full_forward(case, incremental_logits):
     assert_steps_match_full(steps, case.ours_long[0, PREFILL - 1:], case.name)
 
 
-@pytest.mark.slow  # ~19-23 s, the costliest V4 item (suite time); V4 served requests match generate by default
 def test_ragged_chunks_match_full_forward(case):
     """(d) two rows at different positions fed in chunks of 1 to 64 tokens (one compiled step
     of 64, the rest padding) give each row's full-pass logits."""
