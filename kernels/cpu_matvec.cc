@@ -10,7 +10,6 @@
 #include <memory>
 #include <cstdint>
 #include <thread>
-#include <type_traits>
 #include <vector>
 #include "xla/ffi/api/ffi.h"
 
@@ -18,11 +17,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using W = int8_t;  // the weights' element type
+
 // Rows of w a part streams per pass: the partial sums are read and written once per kRows rows.
 constexpr int64_t kRows = 8;
 
 // acc[M,N] += x[:, k0:k1] @ w[k0:k1, :], streaming w's rows in order (contiguous reads).
-template <typename W>
 void Rows(const float* x, const W* __restrict w, float* __restrict acc, int64_t M, int64_t K, int64_t N, int64_t k0,
           int64_t k1) {
   int64_t k = k0;
@@ -59,7 +59,6 @@ void Rows(const float* x, const W* __restrict w, float* __restrict acc, int64_t 
 // too, so it never waits on a part nobody has started: a pool thread busy elsewhere (XLA runs
 // independent thunks on the same pool) cannot deadlock a call. The state is shared: a task the
 // pool starts after the call returned finds no part left.
-template <typename W>
 struct Job {
   const float* x;
   const W* w;
@@ -75,13 +74,12 @@ struct Job {
   }
 };
 
-template <typename W>
 void Run(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, float* y, int64_t M, int64_t K,
          int64_t N) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // Small products stay on the calling thread: a hand-off costs more than the work.
   const int64_t parts = (K * N < (1 << 16) || K < 2 * kRows) ? 1 : std::min<int64_t>(threads, K / kRows);
-  auto job = std::make_shared<Job<W>>();
+  auto job = std::make_shared<Job>();
   job->x = x, job->w = w, job->M = M, job->K = K, job->N = N, job->parts = parts;
   job->partial.assign(parts * M * N, 0.0f);
   for (int64_t t = 1; t < parts; ++t) pool.Schedule([job] { job->Work(); });
@@ -90,7 +88,7 @@ void Run(ffi::ThreadPool pool, const float* x, const W* w, const float* scale, f
   for (int64_t i = 0; i < M * N; ++i) {
     float sum = 0;
     for (int64_t p = 0; p < parts; ++p) sum += job->partial[p * M * N + i];
-    y[i] = scale ? sum * scale[i % N] : sum;
+    y[i] = sum * scale[i % N];
   }
 }
 

@@ -24,6 +24,7 @@ and puts :func:`fingerprint` in its key.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -61,18 +62,22 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _library_path() -> Path | None:
-    """Where the built kernel for this source, compiler and CPU lives (None: no compiler)."""
+@functools.cache
+def _library_key(cxx: str) -> str:
+    """The build's key for compiler ``cxx``: source, flags, compiler, CPU and jaxlib, none of
+    which change while a process runs (computed once: ``fingerprint`` is in every step's key)."""
     import jaxlib
 
+    return hashlib.sha256(repr((SOURCE.read_bytes(), FLAGS, os.path.realpath(cxx), _cpu_flags(),
+                                platform.machine(), jaxlib.__version__)).encode()).hexdigest()[:20]
+
+
+def _library_path() -> Path | None:
+    """Where the built kernel for this source, compiler and CPU lives (None: no compiler)."""
     from dayzero.engine.default_model import cache_root
 
     cxx = _compiler()
-    if cxx is None:
-        return None
-    key = hashlib.sha256(repr((SOURCE.read_bytes(), FLAGS, os.path.realpath(cxx), _cpu_flags(),
-                               platform.machine(), jaxlib.__version__)).encode()).hexdigest()[:20]
-    return cache_root() / "native" / f"cpu_matvec-{key}.so"
+    return None if cxx is None else cache_root() / "native" / f"cpu_matvec-{_library_key(cxx)}.so"
 
 
 def _disabled() -> bool:
