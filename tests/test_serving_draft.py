@@ -165,10 +165,14 @@ def sampled_runs():
     sharp = Engine(target.config, dataclasses.replace(target.weights, final_norm=3 * target.weights.final_norm),
                    kernels="reference")
     config = ServingConfig(slots=8, page_size=8, max_context=16, max_chunk=16, speculative=_spec(sharp, 2))
-    server = ServingEngine(target, config)
-    N = 400
+    return sample_served(ServingEngine(target, config), target)
+
+
+def sample_served(server: ServingEngine, target: Engine, n: int = 400) -> types.SimpleNamespace:
+    """``PROMPT`` served ``n`` times with seeds 0..n-1 (sampled with ``HOT``, 4 tokens each):
+    the tokens [n, 4], the server's stats and the ``target``'s exact marginals of tokens 1 and 2."""
     ids = [server.submit(PROMPT, max_new_tokens=4, ignore_eos=True, sampling=dataclasses.replace(HOT, seed=s))
-           for s in range(N)]
+           for s in range(n)]
     for _ in server.stream():
         pass
     tokens = np.array([server.completion(i).token_ids for i in ids])

@@ -40,8 +40,8 @@ from dayzero.engine.serving import ServingEngine
 from dayzero.engine.speculative import DraftKind, SpecConfig
 from dayzero.kernels import KernelMode
 from dayzero.model.config import Family
-from tests.test_serving_draft import (HOT, PROMPT, _exact_marginals, _serve,
-                                      assert_first_verified_tokens_follow_marginals)
+from tests.test_serving_draft import (_serve, assert_first_verified_tokens_follow_marginals,
+                                      sample_served)
 
 pytestmark = pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
 
@@ -179,14 +179,7 @@ def test_drafts_are_generates(served, generated):
 def sampled_runs(engine):
     """Generated tokens [N, 4] of ``PROMPT`` over N seeds (sampled with ``HOT``) served with MTP
     drafts, with the target's exact marginals of tokens 1 and 2."""
-    server = ServingEngine(engine, _mtp())
-    N = 400
-    ids = [server.submit(PROMPT, max_new_tokens=4, ignore_eos=True, sampling=dataclasses.replace(HOT, seed=s))
-           for s in range(N)]
-    for _ in server.stream():
-        pass
-    tokens = np.array([server.completion(i).token_ids for i in ids])
-    return types.SimpleNamespace(tokens=tokens, stats=server.stats, exact=_exact_marginals(engine, HOT))
+    return sample_served(ServingEngine(engine, _mtp()), engine)
 
 
 @pytest.mark.slow  # ~25 s; the chi-square test of serving speculation runs by default in test_serving_draft.py
