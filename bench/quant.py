@@ -11,12 +11,13 @@ prefix of free-running greedy generation).
     DAYZERO_CACHE=/tmp/dzcache python bench/quant.py [--schemes fp32,bf16,int8,...]
         [--prompt-len 128] [--new-tokens 32] [--repeats 2] [--json]
 
-Schemes: fp32, bf16 (weights and cache in bfloat16), int8, fp8, fp8-block, int4 (weights; int4
-only changes MoE experts, so on dense SmolLM2 it is int8), kv-int8, kv-fp8 (fp32 weights), and
+Schemes: fp32, bf16 (weights and cache in bfloat16), int8, fp8, fp8-block, int4, int4-all
+(weights; int4 only changes MoE experts, so on dense SmolLM2 it is int8; int4-all quantizes every
+projection and the tied head to 4 bits), kv-int8, kv-fp8 (fp32 weights), and
 llama.cpp on the same model (``llamacpp-q8_0``, ``llamacpp-q4_0``: the embedded Q4_1 GGUF
 requantized with llama.cpp's own quantizer, timed as ``dayzero bench --vs-llamacpp`` times it;
 needs ``pip install llama-cpp-python``, else the row is skipped with the reason). Decode speeds
-are also given as ratios to fp32 in the same run (``vs_fp32``), and int8 / int4 against llama.cpp's
+are also given as ratios to fp32 in the same run (``vs_fp32``), and int8 / int4-all against llama.cpp's
 q8_0 / q4_0.
 """
 
@@ -42,15 +43,15 @@ from dayzero.engine import Engine
 from dayzero.tools.bench import bench_engine, kv_cache_bytes
 from dayzero.engine.default_model import default_gguf_path, default_model_dir
 from dayzero.tools.measure import bench_prompt
-from dayzero.tools.quality import QUALITY_TEXT, agreement, greedy_tokens
+from dayzero.tools.quality import QUALITY_TEXT, agreement, greedy_tokens, logits_agreement, sequence_logits
 from dayzero.model.quant import describe_weights, stored_bytes
 from dayzero.tools.peers import LlamaCppPeer, PeerError
 
-SCHEMES = ("fp32", "bf16", "int8", "fp8", "fp8-block", "int4", "kv-int8", "kv-fp8", "llamacpp-q8_0", "llamacpp-q4_0")
+SCHEMES = ("fp32", "bf16", "int8", "fp8", "fp8-block", "int4", "int4-all", "kv-int8", "kv-fp8", "llamacpp-q8_0", "llamacpp-q4_0")
 # llama.cpp's file types (llama_ftype) of the requantized GGUFs.
 LLAMACPP_FTYPES = {"llamacpp-q8_0": 7, "llamacpp-q4_0": 2}
 # Our scheme each llama.cpp row is compared with.
-LLAMACPP_PAIRS = {"int8": "llamacpp-q8_0", "int4": "llamacpp-q4_0"}
+LLAMACPP_PAIRS = {"int8": "llamacpp-q8_0", "int4-all": "llamacpp-q4_0"}
 FULL_CONTEXT = 8192
 
 
@@ -121,21 +122,28 @@ def _quiet_stderr():
             os.close(saved)
 
 
-def measure_llamacpp(scheme: str, args, tmp: Path, vocab_size: int, eos_ids) -> dict:
-    """A llama.cpp row: speed only (its accuracy is not comparable token by token here)."""
+def measure_llamacpp(scheme: str, reference: Engine, quality: tuple, args, tmp: Path) -> dict:
+    """A llama.cpp row: speed, and its accuracy against dayzero's fp32 logits on the same text
+    (an independent implementation of the same model: llama.cpp's own quantization error)."""
     gguf = _llamacpp_gguf(scheme, tmp)
-    prompts = bench_prompt(vocab_size, args.prompt_len, 1, eos_ids)
-    speed = LlamaCppPeer(gguf).measure(prompts, args.new_tokens, args.repeats)
+    prompts = bench_prompt(reference.config.vocab_size, args.prompt_len, 1, reference.eos_ids)
+    peer = LlamaCppPeer(gguf)
+    speed = peer.measure(prompts, args.new_tokens, args.repeats)
+    text, reference_tokens, reference_logits = quality
+    accuracy = logits_agreement(reference_logits, peer.sequence_logits(text + reference_tokens), len(text),
+                                reference_tokens)
     size = gguf.stat().st_size / 2**20
     return {"scheme": scheme, "weights": scheme.removeprefix("llamacpp-") + " (llama.cpp)", "kv_cache": "f16",
             "decode_tok_s": speed["decode_tok_s"], "prefill_tok_s": speed["prefill_tok_s"], "compile_s": 0.0,
-            "disk_mb": size, "tensor_mb": size, "device_weights_mb": size, "kv_cache_mb_8k": math.nan}
+            "disk_mb": size, "tensor_mb": size, "device_weights_mb": size, "kv_cache_mb_8k": math.nan, **accuracy}
 
 
-def measure(scheme: str, reference: Engine, text: list[int], reference_tokens: list[int], args, tmp: Path) -> dict:
-    """One row of the table."""
+def measure(scheme: str, reference: Engine, quality: tuple, args, tmp: Path) -> dict:
+    """One row of the table; ``quality``: the text's ids, fp32's greedy continuation of it, and
+    fp32's logits over both."""
     if scheme in LLAMACPP_FTYPES:
-        return measure_llamacpp(scheme, args, tmp, reference.config.vocab_size, reference.eos_ids)
+        return measure_llamacpp(scheme, reference, quality, args, tmp)
+    text, reference_tokens, _ = quality
     checkpoint = _checkpoint(scheme, tmp)
     engine = reference if scheme == "fp32" else _engine(scheme, checkpoint)
     prompts = bench_prompt(engine.config.vocab_size, args.prompt_len, 1, engine.eos_ids)
@@ -161,7 +169,7 @@ def measure(scheme: str, reference: Engine, text: list[int], reference_tokens: l
 
 
 def _ratios(rows: list[dict]) -> None:
-    """Each row's decode speed over fp32's, and our int8 / int4 over llama.cpp's q8_0 / q4_0."""
+    """Each row's decode speed over fp32's, and our int8 / int4-all over llama.cpp's q8_0 / q4_0."""
     speed = {r["scheme"]: r["decode_tok_s"] for r in rows}
     for r in rows:
         r["vs_fp32"] = r["decode_tok_s"] / speed["fp32"]
@@ -175,7 +183,7 @@ def _print(rows: list[dict]) -> None:
     print(f"{'scheme':>14}{'decode/s':>10}{'vs fp32':>8}{'prefill/s':>11}{'disk MB':>9}{'tensor MB':>10}{'weights MB':>11}{'kv8k MB':>9}"
           f"{'KL mean':>10}{'KL max':>9}{'agree':>7}{'prefix':>8}  stored as")
     for r in rows:
-        acc = (f"{r['kl_mean']:>10.2e}{r['kl_max']:>9.2e}{r['greedy_agreement']:>7.3f}{r['greedy_prefix']:>8.3f}"
+        acc = (f"{r['kl_mean']:>10.2e}{r['kl_max']:>9.2e}{r['greedy_agreement']:>7.3f}{r.get('greedy_prefix', math.nan):>8.3f}"
                if "kl_mean" in r else f"{'-':>10}{'-':>9}{'-':>7}{'-':>8}")
         print(f"{r['scheme']:>14}{r['decode_tok_s']:>10.1f}{r['vs_fp32']:>8.2f}{r['prefill_tok_s']:>11.1f}{r['disk_mb']:>9.1f}{r['tensor_mb']:>10.1f}"
               f"{r['device_weights_mb']:>11.1f}{r['kv_cache_mb_8k']:>9.1f}{acc}  {r['weights']}, kv {r['kv_cache']}")
@@ -200,11 +208,12 @@ def main() -> None:
     reference = Engine.load(default_model_dir())
     text = reference.tokenizer.encode(QUALITY_TEXT)
     reference_tokens = greedy_tokens(reference, text, 128)
+    quality = (text, reference_tokens, sequence_logits(reference, text + reference_tokens))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in ["fp32"] + [s for s in schemes if s != "fp32"]:
             try:
-                rows.append(measure(scheme, reference, text, reference_tokens, args, Path(tmp)))
+                rows.append(measure(scheme, reference, quality, args, Path(tmp)))
             except PeerError as e:
                 print(f"{scheme}: skipped: {e}", flush=True)
                 continue

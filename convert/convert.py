@@ -468,7 +468,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, dtype: st
     ``dst``: a directory that must not exist yet. ``dtype``: storage dtype, one of "float32",
     "bfloat16", "float16", or None to keep the source precision (see :func:`storage_dtype`).
     ``progress``: show a progress bar on stderr. ``quantize``: weight quantization, one of
-    none, int8, fp8, fp8-block, int4, mxfp4, mxfp4+fp8-block (``dayzero.model.quant.WeightQuant``);
+    none, int8, fp8, fp8-block, int4, int4-all, mxfp4, mxfp4+fp8-block (``dayzero.model.quant.WeightQuant``);
     None keeps an MXFP4 checkpoint's experts as stored (and DeepSeek-V4's FP8 weights beside
     them: mxfp4+fp8-block) and is none otherwise, while none always makes a float model
     (``dayzero.convert.quantize.quant_config``); dtype then applies to the leaves left in float.

@@ -17,7 +17,7 @@ from dayzero.sharding.distributed import MeshError, ProcessGroup, initialize, pa
 KERNEL_CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
 # Names as dayzero.model.quant's enums spell them, for --help (which should not import jax). The
 # values are checked by dayzero.model.quant, whose error names the bad value and lists these.
-CONVERT_QUANT = "none|int8|fp8|fp8-block|int4|mxfp4"
+CONVERT_QUANT = "none|int8|fp8|fp8-block|int4|int4-all|mxfp4"
 KV_CACHE = "auto|none|int8|fp8"
 
 

@@ -215,7 +215,7 @@ class Engine(PipelineMixin):
         With a ``placement`` every weight is restored straight into its sharding on that mesh,
         whatever mesh the checkpoint was converted for (on a pipeline mesh each layer onto its
         stage's devices only: ``engine.staged_load``). ``quantize``: weight quantization
-        applied at load to a float checkpoint (none, int8, fp8, fp8-block, int4); a checkpoint
+        applied at load to a float checkpoint (none, int8, fp8, fp8-block, int4, int4-all); a checkpoint
         converted with ``--quantize`` is used as stored. ``kv_cache``: none, int8 or fp8.
         ``kernels``: reference, pallas or pallas_interpret. ``capacity_factor`` and
         ``grouped_matmul``: the expert-parallel MoE dispatch (``dayzero.model.parallel``).

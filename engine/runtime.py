@@ -10,7 +10,7 @@ read what it decided.
 A combination that cannot run is refused here with one :class:`RunConfigError` sentence naming
 the option and what to do. What runs (every combination not listed below):
 
-- quantized weights (int8, fp8, fp8-block, int4 experts) on one device and on every mesh;
+- quantized weights (int8, fp8, fp8-block, int4 experts or int4 everywhere) on one device and on every mesh;
 - a quantized KV cache (int8, fp8) on the reference path and on the kernels, which read the
   scale pages themselves;
 - the kernels on a mesh: each kernel call runs inside ``shard_map`` over the heads' ``tensor``
@@ -54,8 +54,8 @@ from dayzero.model.config import ModelConfig
 from dayzero.model.moe import GroupedMatmul
 from dayzero.model.mesh_check import kernel_split_refusal, mesh_refusal
 from dayzero.model.parallel import Parallel
-from dayzero.model.quant import (KVQuant, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant,
-                                 parse_kv_quant, parse_weight_quant, quantize)
+from dayzero.model.quant import (KVQuant, QuantConfig, QuantError, QuantizedArray, ValueFormat,
+                                 WeightQuant, parse_kv_quant, parse_weight_quant, quantize)
 from dayzero.model.weights import abstract_weights, axis_sizes, mesh_aligned_specs
 from dayzero.sharding.placement import Placement
 
@@ -237,12 +237,15 @@ def _weight_storage(quantize, stored: QuantConfig) -> QuantConfig:
 
 # How the CPU engine stores its [D,V] output-head copy of a tied embedding (21% of SmolLM2-135M's
 # parameters, read every decode step) under each weight scheme: int8, one scale per vocabulary
-# column, where the dense projections are int8 too (int8, and int4 whose dense projections are
-# int8); float otherwise. Quantized, the head runs on the tiled matvec
-# (``dayzero.model.quant_matmul``); fp8 is left float because XLA:CPU converts fp8 (and int4) to
-# fp32 ~10x slower than int8, so an fp8 head would cost time (measured: the [576 x 49152] matvec
-# 150-230 ms fp8, 6-8 ms int8, 11-23 ms fp32 on a loaded 2-core host).
-TIED_HEAD_FORMAT = {WeightQuant.INT8: ValueFormat.INT8, WeightQuant.INT4: ValueFormat.INT8}
+# column, where the projections are int8 or int4 (int8, int4, int4-all: llama.cpp's q4_0 keeps a
+# tied head at q8_0 too; on SmolLM2 an int4 head in groups of 32 raised int4-all's mean KL from
+# 0.38 to 0.52 and cut greedy agreement from 0.94 to 0.86); float otherwise. Quantized, the head
+# runs on the native decode matvec (``dayzero.model.quant_matmul``); fp8 is left float because
+# XLA:CPU converts fp8 to fp32 ~10x slower than int8 and there is no native fp8 kernel, so an fp8
+# head would cost time (measured: the [576 x 49152] matvec 150-230 ms fp8, 6-8 ms int8, 11-23 ms
+# fp32 on a loaded 2-core host).
+TIED_HEAD_FORMAT = {WeightQuant.INT8: ValueFormat.INT8, WeightQuant.INT4: ValueFormat.INT8,
+                    WeightQuant.INT4_ALL: ValueFormat.INT8}
 
 
 def tied_head(embed: jax.Array, run: RunConfig) -> jax.Array | QuantizedArray:
@@ -329,8 +332,8 @@ def weights_storage(weights: Any) -> QuantConfig:
     formats = {x.fmt for x in nodes}
     if not nodes:
         return QuantConfig()
-    if ValueFormat.INT4 in formats:
-        return QuantConfig(WeightQuant.INT4)
+    if ValueFormat.INT4 in formats:  # beside int8 projections (int4), or everywhere (int4-all)
+        return QuantConfig(WeightQuant.INT4 if ValueFormat.INT8 in formats else WeightQuant.INT4_ALL)
     blocked = [x.block for x in nodes if x.block is not None and x.fmt is ValueFormat.FP8]
     # Weights aligned for a mesh hold finer blocks that divide the stored one; their lcm is the
     # coarsest block every leaf can be re-blocked from (the stored one when any leaf kept it).

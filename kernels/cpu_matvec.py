@@ -36,11 +36,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matvec.cc")
 TARGET = "dayzero_matvec_i8"
+TARGET_INT4 = "dayzero_matvec_i4"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300
 
@@ -110,7 +112,8 @@ def _build(path: Path) -> None:
 
 def _register(path: Path) -> None:
     library = ctypes.cdll.LoadLibrary(str(path))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, TARGET)), platform="cpu")
+    for target in (TARGET, TARGET_INT4):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 
 def available(build: bool = True) -> bool:
@@ -160,3 +163,24 @@ def matvec_int8(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, values.shape[1]), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), values, scale.astype(jnp.float32))
+
+
+def int4_fits(n_in: int, n_out: int, group: int) -> bool:
+    """Whether an int4 [n_in, n_out] weight with one scale per ``group`` inputs of each output
+    fits :func:`matvec_int4`: whole eight-row passes, each inside one group, and whole bytes per row."""
+    return n_in % 8 == 0 and group % 8 == 0 and n_out % 2 == 0
+
+
+def matvec_int4(x: jax.Array, values: jax.Array, scale: jax.Array, group: int) -> jax.Array:
+    """``x`` [M, K] float32 times int4 ``values`` [K, N] whose row k is scaled by ``scale``
+    [ceil(K / group), N] row k // group: [M, N] float32, on the native kernel (call only where
+    :func:`available` is True and :func:`int4_fits`)."""
+    M, K = x.shape
+    N = values.shape[1]
+    if (values.shape[0] != K or values.dtype != jnp.int4 or scale.shape != (-(-K // group), N)
+            or not int4_fits(K, N, group)):
+        raise ValueError(f"matvec_int4 takes x [M,K], int4 values [K,N] with K and group multiples of 8 and N "
+                         f"even, and scale [ceil(K/group),N]; got {x.shape}, {values.dtype}{values.shape}, "
+                         f"{scale.shape}, group {group}")
+    call = jax.ffi.ffi_call(TARGET_INT4, jax.ShapeDtypeStruct((M, N), jnp.float32), vmap_method="sequential")
+    return call(x.astype(jnp.float32), values, scale.astype(jnp.float32), group=np.int64(group))

@@ -82,7 +82,8 @@ from dayzero.sharding.distributed import MeshError
 
 _ACCELERATORS = ("gpu", "tpu")
 # Weight schemes by how closely they keep the float values (block scales beat per-channel ones).
-_FIDELITY = (WeightQuant.NONE, WeightQuant.FP8_BLOCK, WeightQuant.FP8, WeightQuant.INT8, WeightQuant.INT4)
+_FIDELITY = (WeightQuant.NONE, WeightQuant.FP8_BLOCK, WeightQuant.FP8, WeightQuant.INT8, WeightQuant.INT4,
+             WeightQuant.INT4_ALL)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,6 +113,7 @@ class WeightQuant(enum.Enum):
     FP8 = "fp8"  # e4m3 per output channel, absmax / 448
     FP8_BLOCK = "fp8-block"  # e4m3 per [in, out] block (128 x 128, or a native FP8 checkpoint's)
     INT4 = "int4"  # routed experts int4 in groups of INT4_GROUP inputs per output; the rest int8
+    INT4_ALL = "int4-all"  # every projection int4 in groups of INT4_ALL_GROUP inputs per output
     MXFP4 = "mxfp4"  # routed experts MXFP4 (gpt-oss's published format, kept as stored); the rest float
     # Routed experts MXFP4, every other projection fp8-block: DeepSeek-V4's published formats (FP4
     # experts, FP8 weights with 128 x 128 block scales), both kept as stored.
@@ -130,6 +131,7 @@ class KVQuant(enum.Enum):
 
 AUTO = "auto"
 INT4_GROUP = 128  # inputs per int4 scale: the usual group-wise size for 4-bit weights
+INT4_ALL_GROUP = 32  # inputs per int4 scale under int4-all (see WeightQuant.INT4_ALL)
 FP8_BLOCK = (128, 128)  # [in, out] block of fp8-block when the source does not dictate one
 MXFP4_BLOCK = (32, 1)  # [in, out] block of MXFP4: one scale per 32 inputs of each output (OCP MX)
 

@@ -14,9 +14,10 @@ tile, whose rows then lie inside one block.
 
 Rows that no tile size divides go through one dequantized dot of the remaining rows (the tail).
 
-int8 weights with per-channel scales skip the scan where the native kernel builds
-(``dayzero.kernels.cpu_matvec``: the int8 rows converted in registers, never written as fp32);
-the scan stays the reference it is tested against, and the path everywhere else.
+int8 weights with per-channel scales and int4 weights with per-group scales (one per group of
+inputs of each output) skip the scan where the native kernel builds (``dayzero.kernels.cpu_matvec``:
+the rows converted in registers, never written as fp32); the scan stays the reference it is
+tested against, and the path everywhere else.
 """
 
 from __future__ import annotations
@@ -65,10 +66,14 @@ def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
         rows = math.prod(x.shape[:-1])
         if _tiled_here() and rows <= TILED_MAX_ROWS:
             x2 = x.reshape(rows, n_rows_in)
+            n_out = math.prod(out_dims)
             if _native_int8(w, n_rows_in):
                 y = cpu_matvec.matvec_int8(x2, w.values.reshape(n_rows_in, -1), w.scale.reshape(-1)).astype(out_dtype)
+            elif _native_int4(w, n_rows_in, n_out):
+                y = cpu_matvec.matvec_int4(x2, w.values.reshape(n_rows_in, n_out), w.scale.reshape(-1, n_out),
+                                           w.block[0]).astype(out_dtype)
             else:
-                y = _tiled(x2.astype(out_dtype), w, n_rows_in, math.prod(out_dims))
+                y = _tiled(x2.astype(out_dtype), w, n_rows_in, n_out)
             return y.reshape(*x.shape[:-1], *out_dims)
     matrix = dequantized(w, x.dtype).reshape(n_rows_in, *out_dims)
     return jnp.tensordot(x, matrix, axes=1, preferred_element_type=out_dtype).astype(out_dtype)
@@ -86,6 +91,13 @@ def _native_int8(w: QuantizedArray, n_in: int) -> bool:
     builds on this host."""
     return (w.values.dtype == jnp.int8 and w.block is None and w.scale.size * n_in == w.values.size
             and cpu_matvec.available())
+
+
+def _native_int4(w: QuantizedArray, n_in: int, n_out: int) -> bool:
+    """Whether ``w`` ([n_in, n_out] as a matrix) goes to the native int4 kernel: int4 values with
+    one scale per group of inputs of each output column, in a shape the kernel takes."""
+    return (w.values.dtype == jnp.int4 and w.block is not None and w.block[1] == 1
+            and cpu_matvec.int4_fits(n_in, n_out, w.block[0]) and cpu_matvec.available())
 
 
 def tile_rows(n_in: int, n_out: int, block_rows: int | None = None) -> int:

@@ -24,8 +24,8 @@ from flax import struct
 
 from dayzero.model.config import ModelConfig
 from dayzero.model.quant import (
-    INT4_GROUP, MXFP4_BLOCK, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant, quantize, reblocked,
-    scale_shape,
+    INT4_ALL_GROUP, INT4_GROUP, MXFP4_BLOCK, QuantConfig, QuantError, QuantizedArray, ValueFormat, WeightQuant,
+    quantize, reblocked, scale_shape,
 )
 
 
@@ -344,6 +344,8 @@ def _leaf_scheme(spec: ParamSpec, quant: QuantConfig) -> tuple[ValueFormat, tupl
         # int4 only for routed experts (most of an MoE's bytes, and each token reads few of
         # them); per-channel int4 is too coarse, hence groups of inputs per output channel.
         return (ValueFormat.INT4, (INT4_GROUP, 1)) if spec.axes[0] == "experts" else (ValueFormat.INT8, None)
+    if scheme is WeightQuant.INT4_ALL:
+        return ValueFormat.INT4, (INT4_ALL_GROUP, 1)
     if scheme in (WeightQuant.MXFP4, WeightQuant.MXFP4_FP8_BLOCK):
         # gpt-oss's published format: routed experts only, everything else stays float;
         # DeepSeek-V4's: the other projections in fp8 blocks.

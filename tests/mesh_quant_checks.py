@@ -138,6 +138,10 @@ def part_qwen() -> dict:
         res["tp4ep2"]["local"] = shard_map_args(config, sharded, tokens, par)
         res["tp4ep2"]["layout"] = layout(sharded, ["layers/0/mlp/gate", "layers/0/mlp/down"])
         out[scheme.value] = res
+    # int4-all (every projection in groups of 32 inputs) on one mesh: tensor=4 cuts the attention
+    # output's 128 inputs and the experts' width into whole groups of 32.
+    out["int4-all"] = compare_meshes(config, QuantConfig(WeightQuant.INT4_ALL), SEEDS["qwen"],
+                                     {"tp4ep2": MESHES["tp4ep2"]})[0]
     return out
 
 

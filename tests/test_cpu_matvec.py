@@ -1,5 +1,5 @@
-"""The native int8 matrix-vector kernel of CPU decode (``kernels/cpu_matvec``) against its
-pure-jnp reference, ``quant_matmul``'s tiled scan, and a float64 product of the dequantized
+"""The native int8 and int4 matrix-vector kernels of CPU decode (``kernels/cpu_matvec``) against
+their pure-jnp reference, ``quant_matmul``'s tiled scan, and a float64 product of the dequantized
 weight; how ``linear`` picks it; what happens where it cannot build; and a stored step that calls
 it loaded by a fresh process (the FFI target must be registered before the executable loads)."""
 
@@ -61,6 +61,53 @@ def test_native_equals_the_reference(native, shape, n_in, rows):
     np.testing.assert_allclose(np.asarray(out), np.asarray(reference), atol=2e-6 * scale, rtol=0)
 
 
+def _int4_weight(shape, group, seed=0):
+    w = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+    return quantize(w, ValueFormat.INT4, (0,), (group, 1))
+
+
+# SmolLM2's shapes in groups of 32 (q, o, down, the head), the expert groups of 128, a group of
+# 16, and sizes whose columns leave a tail after the 32-column vector steps (N=34, 98) or whose
+# last group is partial (K=72 in groups of 32).
+@pytest.mark.parametrize("shape, group", [((576, 576), 32), ((1536, 576), 32), ((576, 4100), 32),
+                                          ((576, 192), 128), ((64, 98), 16), ((72, 34), 32)])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_native_int4_equals_the_reference(native, shape, group, rows):
+    q = _int4_weight(shape, group)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, shape[0])), jnp.float32)
+    fn = jax.jit(lambda x, q: quant_matmul.linear(x, q))
+    assert cpu_matvec.TARGET_INT4 in fn.lower(x, q).as_text()
+    out = np.asarray(fn(x, q))
+    expected = _float64_product(x, q, 1)
+    scale = np.abs(expected).max()
+    # Measured: <= 2.3e-7 x the largest output.
+    np.testing.assert_allclose(out, expected, atol=2e-6 * scale, rtol=0)
+    reference = quant_matmul._tiled(x, q, *shape)
+    np.testing.assert_allclose(out, np.asarray(reference), atol=2e-6 * scale, rtol=0)
+
+
+def test_int4_nibble_order_and_signs(native):
+    """Every int4 value in every position of a byte: XLA packs two per byte, the even-indexed
+    value in the low nibble; a swapped or unsigned nibble moves these exact products."""
+    values = np.tile(np.arange(-8, 8, dtype=np.int8), (8, 4))  # [8, 64]: -8..7 at even and odd columns
+    values[1::2] = np.roll(values[1::2], 1, axis=1)
+    q = quantize(jnp.asarray(values, jnp.float32), ValueFormat.INT4, (0,), (8, 1))
+    q = type(q)(jnp.asarray(values).astype(jnp.int4), jnp.ones_like(q.scale), q.fmt, q.in_axes, q.block)
+    x = jnp.asarray(2.0 ** np.arange(8), jnp.float32)[None]  # each row's weight readable in the sum
+    out = jax.jit(lambda x, q: quant_matmul.linear(x, q))(x, q)
+    np.testing.assert_array_equal(np.asarray(out)[0], (2.0 ** np.arange(8)) @ values.astype(np.float64))
+
+
+def test_int4_that_the_kernel_cannot_take_uses_the_scan(native):
+    x = jnp.ones((1, 60), jnp.float32)  # 60 rows: not whole eight-row passes
+    q = _int4_weight((60, 32), 20)
+    text = _lowered(lambda x, w: quant_matmul.linear(x, w), x, q)
+    assert cpu_matvec.TARGET_INT4 not in text and cpu_matvec.TARGET not in text
+    expected = _float64_product(x, q, 1)
+    out = jax.jit(lambda x, q: quant_matmul.linear(x, q))(x, q)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6 * np.abs(expected).max(), rtol=0)
+
+
 def _lowered(fn, *args) -> str:
     return jax.jit(fn).lower(*args).as_text()
 
@@ -113,6 +160,8 @@ def test_under_vmap(native):
 def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match=r"int8 values \[K,N\].*\(2, 5\)"):
         cpu_matvec.matvec_int8(jnp.ones((1, 4)), jnp.ones((2, 5), jnp.int8), jnp.ones(5))
+    with pytest.raises(ValueError, match=r"int4 values \[K,N\].*\(16, 5\).*group 8"):
+        cpu_matvec.matvec_int4(jnp.ones((1, 16)), jnp.ones((16, 5), jnp.int4), jnp.ones((2, 5)), 8)
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:

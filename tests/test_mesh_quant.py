@@ -226,7 +226,7 @@ def test_aligned_weights_reblock_exactly_and_name_a_mismatch():
 # ---- on meshes of 8 devices ----------------------------------------------------------------------
 
 CASES = [("qwen", "int8", m) for m in ("tp2ep4", "dp2tp4", "tp4ep2")] + \
-        [("qwen", "int4", m) for m in ("tp2ep4", "dp2tp4", "tp4ep2")] + \
+        [("qwen", "int4", m) for m in ("tp2ep4", "dp2tp4", "tp4ep2")] + [("qwen", "int4-all", "tp4ep2")] + \
         [("latent", None, m) for m in ("tp2ep4", "dp2tp4", "tp4ep2", "tp8")]
 
 
@@ -249,6 +249,7 @@ def test_quantized_logits_match_one_device(meshes, part, scheme, mesh):
 def test_the_schemes_are_what_they_say(meshes):
     assert meshes["qwen"]["int8"]["stored"] == "int8"
     assert meshes["qwen"]["int4"]["stored"] == "int4/128x1+int8"
+    assert meshes["qwen"]["int4-all"]["stored"] == meshes["qwen"]["int4-all"]["tp4ep2"]["stored"] == "int4/32x1"
     assert meshes["latent"]["stored"] == "float8_e4m3fn/32x32"
 
 

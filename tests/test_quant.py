@@ -156,6 +156,23 @@ def test_int4_applies_to_routed_experts_only():
     assert dense.gate.fmt is ValueFormat.INT8 and specs.layers[0].attn.q.fmt is ValueFormat.INT8
 
 
+def test_int4_all_quantizes_every_projection_in_groups():
+    """int4-all: attention, dense MLPs and routed experts all int4 in groups of 32 inputs per
+    output; routers, norms and the embedding stay float."""
+    from dayzero.model.config import MoEConfig
+    from dayzero.model.quant import INT4_ALL_GROUP
+
+    c = _tiny_config(moe=MoEConfig(num_experts=4, experts_per_token=2, intermediate_size=32, layers=(True, False)))
+    specs = abstract_weights(c, QuantConfig(WeightQuant.INT4_ALL))
+    nodes = [x for x in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, QuantizedArray))
+             if isinstance(x, QuantizedArray)]
+    assert len(nodes) == 4 + 3 + 4 + 3  # q k v o, routed gate up down, q k v o, dense gate up down
+    assert {(x.fmt, x.block) for x in nodes} == {(ValueFormat.INT4, (INT4_ALL_GROUP, 1))}
+    assert specs.layers[0].attn.q.scale.shape == (64 // INT4_ALL_GROUP, 4 * 16)
+    assert specs.layers[1].mlp.down.scale.shape == (128 // INT4_ALL_GROUP, 64)
+    assert is_spec(specs.layers[0].mlp.router) and is_spec(specs.embed) and is_spec(specs.layers[0].attn_norm)
+
+
 def test_shardings_derive_from_the_quantized_tree():
     """``weight_shardings`` walks into quantized nodes: one sharding per stored values and scale
     array (the scale's logical axes, asserted above, are its output channels')."""
@@ -241,6 +258,36 @@ def test_bench_reports_the_schemes_and_their_bytes(tiny_model, capsys):
     fp32, int8 = bench(), bench("--quantize", "int8", "--kv-cache", "int8")
     assert (fp32["quantize"], fp32["kv_cache"], int8["quantize"], int8["kv_cache"]) == ("none", "none", "int8", "int8")
     assert int8["weights_mb"] < fp32["weights_mb"] and int8["kv_cache_mb"] < fp32["kv_cache_mb"] / 3
+
+
+def test_int4_all_converts_loads_as_stored_and_decodes_on_the_native_kernel(tiny_model, tmp_path, capsys):
+    """``convert --quantize int4-all`` writes int4 values (half a byte each on the device) with a
+    scale per 32 inputs; loading it without --quantize reads the scheme back, equals quantizing at
+    load, and greedy decoding gives the same tokens as the jnp scan (``DAYZERO_NATIVE_CPU=0``)."""
+    from dayzero.kernels import cpu_matvec
+
+    dst = tmp_path / "int4-all"
+    assert main(["convert", str(tiny_model.hf_dir), str(dst), "--no-progress", "--quantize", "int4-all"]) == 0
+    capsys.readouterr()
+    assert json.loads((dst / "manifest.json").read_text())["quantization"]["weights"] == "int4-all"
+    engine = Engine.load(dst)
+    assert engine.run.weights is WeightQuant.INT4_ALL
+    at_load = Engine.load(tiny_model.dir, quantize="int4-all")
+    for name, leaf in named_leaves(at_load.weights).items():
+        np.testing.assert_array_equal(np.asarray(named_leaves(engine.weights)[name]), np.asarray(leaf), err_msg=name)
+    prompt = [5, 9, 14, 200, 3]
+    tokens = engine.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
+    if cpu_matvec.available():
+        import subprocess
+        import sys
+
+        scan = subprocess.run([sys.executable, "-c", (
+            "import json, sys; from dayzero.engine import Engine; "
+            f"print(json.dumps(Engine.load(sys.argv[1]).generate({prompt}, max_new_tokens=12, "
+            "ignore_eos=True).token_ids))"), str(dst)], capture_output=True, text=True,
+            env={**__import__("os").environ, "DAYZERO_NATIVE_CPU": "0"}, timeout=300)
+        assert scan.returncode == 0, scan.stderr
+        assert json.loads(scan.stdout.strip().splitlines()[-1]) == tokens
 
 
 def test_bad_quantize_name_leaves_nothing_behind(tiny_model, tmp_path):
@@ -359,10 +406,13 @@ def test_int8_kv_cache_bytes(tiny_model):
 # prompts (seeds 5, 6): int8 KL mean <= 1.6e-4, max <= 7.3e-4, agreement 0.95-0.98; fp8 and
 # fp8-block mean <= 2.5e-3, max <= 8.3e-3, agreement 0.75-0.94; kv int8 mean 1e-5, max 5e-5,
 # agreement 1.0; kv fp8 mean <= 1.8e-4, max <= 1.1e-3, agreement 0.98. KL bounds are ~5x those.
-# Agreement bounds are loose: a random tiny model's greedy continuation is full of near ties
-# (its KL is the sharp measure here; SmolLM2's gates hold agreement to a real model's standard).
+# int4-all (4 bits, 15 levels per group of 32) mean 2.6e-2 / 3.5e-2, max 5.9e-2 / 0.13, agreement
+# 0.69 / 0.50; its bounds are ~3x the KL. Agreement bounds are loose: a random tiny model's greedy
+# continuation is full of near ties (its KL is the sharp measure here; SmolLM2's gates hold
+# agreement to a real model's standard).
 TINY_GATES = {
     ("int8", "none"): (1e-3, 5e-3, 0.9),
+    ("int4-all", "none"): (0.1, 0.4, 0.35),
     ("fp8", "none"): (1e-2, 4e-2, 0.7),
     ("fp8-block", "none"): (1e-2, 4e-2, 0.7),
     ("none", "int8"): (1e-4, 5e-4, 0.95),
@@ -408,9 +458,13 @@ def test_sequence_logits_of_the_float_engine_are_one_forward(tiny_model, tiny_en
 # int8 caches must keep greedy decoding: >= 97% of the 128 positions (teacher-forced), and the
 # first half of the free-running generation identical. fp8 keeps 3 mantissa bits (up to 6% per
 # weight): >= 95% agreement, and no prefix bound, since one near tie flips everything after it
-# (kv fp8 flipped the very first token, where fp32's top two logits nearly tie).
+# (kv fp8 flipped the very first token, where fp32's top two logits nearly tie). int4-all
+# measured KL mean 0.38, max 1.57, agreement 0.938 (llama.cpp's own q4_0 of the same model on the
+# same text against the same fp32 logits, bench/quant.py: 0.27 / 2.24 / 0.898); 4 bits of a model
+# this small cost that much, so its bounds are ~1.6x the measured KL and no prefix is asked.
 SMOLLM2_GATES = {
     ("int8", "none"): (1e-2, 1e-1, 0.97, 0.5),
+    ("int4-all", "none"): (0.6, 2.5, 0.85, 0.0),
     ("fp8", "none"): (4e-2, 0.4, 0.95, 0.0),
     ("fp8-block", "none"): (4e-2, 0.4, 0.95, 0.0),
     ("none", "int8"): (5e-4, 1e-2, 0.97, 0.5),

@@ -124,7 +124,8 @@ def test_a_serving_engines_own_kernels_are_checked_against_the_run():
     assert changed.kernels is KernelMode.PALLAS_INTERPRET and changed.describe()["requested"]["kernels"] == "pallas_interpret"
 
 
-@pytest.mark.parametrize("scheme, block", [("int8", None), ("fp8", None), ("int4", None), ("fp8-block", (16, 32))])
+@pytest.mark.parametrize("scheme, block", [("int8", None), ("fp8", None), ("int4", None), ("int4-all", None),
+                                           ("fp8-block", (16, 32))])
 def test_weights_storage_reads_the_scheme_back(scheme, block):
     quant = QuantConfig(WeightQuant(scheme), block or (128, 128))
     weights = quantize_weights(init_weights(abstract_weights(MOE), jax.random.key(0)), abstract_weights(MOE, quant))

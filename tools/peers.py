@@ -134,3 +134,11 @@ class LlamaCppPeer:
             return first - start, time.perf_counter() - first
 
         return timed_speeds(run, [prompt], new_tokens, repeats)
+
+    def sequence_logits(self, ids: list[int]) -> np.ndarray:
+        """llama.cpp's logits [n, V] at every position of ``ids`` (one pass, float32)."""
+        threads = os.cpu_count() or 1
+        llm = self._Llama(model_path=str(self.gguf), n_ctx=len(ids), n_batch=len(ids), n_threads=threads,
+                          logits_all=True, verbose=False)
+        llm.eval(list(ids))
+        return np.asarray(llm.scores[: len(ids)], np.float32)

@@ -92,6 +92,16 @@ def greedy_tokens(engine: Engine, ids: list[int], new_tokens: int) -> list[int]:
     return engine.generate(list(ids), max_new_tokens=new_tokens, ignore_eos=True).token_ids
 
 
+def logits_agreement(reference: np.ndarray, candidate: np.ndarray, n: int, cont: list[int]) -> dict[str, float]:
+    """``kl_mean``, ``kl_max`` of ``candidate``'s logits [n + len(cont), V] against ``reference``'s
+    over the first ``n`` positions (the text), and ``greedy_agreement``: how often the candidate's
+    top token at position n-1+i is continuation token ``cont[i]`` (teacher-forced)."""
+    stats = logits_stats(reference[:n], candidate[:n])
+    predicted = candidate[n - 1 : n - 1 + len(cont)].argmax(-1)
+    return {"kl_mean": stats["kl_mean"], "kl_max": stats["kl_max"],
+            "greedy_agreement": float(np.mean(predicted == np.asarray(cont)))}
+
+
 def agreement(reference: Engine, candidate: Engine, ids: list[int], new_tokens: int = 128,
               free_running: bool = False, reference_tokens: list[int] | None = None) -> dict[str, float]:
     """KL of ``candidate`` against ``reference`` over ``ids`` and their greedy agreement over
@@ -103,17 +113,8 @@ def agreement(reference: Engine, candidate: Engine, ids: list[int], new_tokens: 
     """
     cont = reference_tokens if reference_tokens is not None else greedy_tokens(reference, ids, new_tokens)
     sequence = list(ids) + list(cont)
-    ref = sequence_logits(reference, sequence)
-    ours = sequence_logits(candidate, sequence)
-    n = len(ids)
-    stats = logits_stats(ref[:n], ours[:n])
-    # Position n-1+i predicts continuation token i.
-    predicted = ours[n - 1 : n - 1 + len(cont)].argmax(-1)
-    result = {
-        "kl_mean": stats["kl_mean"],
-        "kl_max": stats["kl_max"],
-        "greedy_agreement": float(np.mean(predicted == np.asarray(cont))),
-    }
+    result = logits_agreement(sequence_logits(reference, sequence), sequence_logits(candidate, sequence), len(ids),
+                              cont)
     if free_running:
         free = greedy_tokens(candidate, ids, len(cont))
         same = next((i for i, (a, b) in enumerate(zip(free, cont)) if a != b), len(cont))
