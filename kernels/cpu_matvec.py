@@ -1,20 +1,30 @@
-"""A native int8 matrix-vector product for XLA:CPU decode, called through the XLA FFI.
+"""Native int8 and int4 matrix-vector products for XLA:CPU decode, called through the XLA FFI.
 
 Why: a decode step reads every weight once and does two flops per weight, so it is limited by
-the bytes it reads; int8 weights should decode up to 4x faster than fp32. XLA:CPU cannot get
-there: its dot of int8 values (converted in the dot's operand) first writes the whole fp32
-matrix, an int8 x int8 dot is ~10x slower than fp32, and ``model.quant_matmul``'s tiled scan
-(each 64-row tile converted, then a dot) spends most of its time converting. ``cpu_matvec.cc``
-streams the int8 rows (eight at a time, so the partial sums are read and written once per
-eight rows) and converts them in registers. Measured on the 2-core host (best of 25, quiet): 30
-[576 x 1536] products 1.3 ms against 3.4 ms for XLA's fp32 dot of the same shape, 30
-[1536 x 576] 1.0 against 3.3, the [576 x 49152] head 2.1 against 5.3 (four rows at a time:
-1.6 / 1.4 / 2.1; the first version, 64-column register tiles, 4.7 ms: a strided read).
+the bytes it reads; int8 weights should decode up to 4x faster than fp32, int4 up to 8x. XLA:CPU
+cannot get there: its dot of int8 values (converted in the dot's operand) first writes the whole
+fp32 matrix, an int8 x int8 dot is ~10x slower than fp32, it converts int4 ~10x slower than int8,
+and ``model.quant_matmul``'s tiled scan (each 64-row tile converted, then a dot) spends most of
+its time converting. ``cpu_matvec.cc`` streams the rows (eight at a time, so the partial sums are
+read and written once per eight rows) and converts them in registers:
+
+- ``dayzero_matvec_i8``: int8 with one scale per output column. Measured on the 2-core host
+  (best of 25, quiet): 30 [576 x 1536] products 1.3 ms against 3.4 ms for XLA's fp32 dot of the
+  same shape, 30 [1536 x 576] 1.0 against 3.3, the [576 x 49152] head 2.1 against 5.3 (four rows
+  at a time: 1.6 / 1.4 / 2.1; the first version, 64-column register tiles, 4.7 ms: a strided
+  read).
+- ``dayzero_matvec_i4``: int4 with one scale per group of inputs of each output column (the
+  ``int4-all`` scheme's groups of 32, the experts' groups of 128). XLA hands an int4 array over
+  packed, two values per byte; with AVX-512 each byte is widened to a 32-bit lane and its two
+  nibbles looked up as floats in a 16-entry table (``vpermps``), and the next pass's rows are
+  prefetched. 30 layers of SmolLM2's projections and the head, chained, all weights read from
+  memory (min of 100): int4 5.0-5.6 ms, int8 7.1-7.9 ms, fp32 17-19 ms. Without AVX-512 a
+  scalar loop does the same sums.
 
 The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``g++``) for
 this CPU (``-march=native``) and kept under the dayzero cache (``native/``), keyed by its source,
-flags, compiler, CPU flags and jaxlib version, then registered as the FFI target
-``dayzero_matvec_i8``. Where that cannot be done (no compiler, a failed build,
+flags, compiler, CPU flags and jaxlib version, then registered as the FFI targets
+``dayzero_matvec_i8`` and ``dayzero_matvec_i4``. Where that cannot be done (no compiler, a failed build,
 ``DAYZERO_NATIVE_CPU=0``), :func:`available` says False once with the reason in the log and
 callers keep the pure-jnp path (``quant_matmul``'s tiled scan is the reference the tests compare
 this kernel with). ``engine.step_cache`` registers the target before it loads a stored executable
@@ -43,6 +53,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu_matvec.cc")
 TARGET = "dayzero_matvec_i8"
 TARGET_INT4 = "dayzero_matvec_i4"
+TARGET_FLOAT32 = "dayzero_matvec_f32"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300
 
@@ -112,7 +123,7 @@ def _build(path: Path) -> None:
 
 def _register(path: Path) -> None:
     library = ctypes.cdll.LoadLibrary(str(path))
-    for target in (TARGET, TARGET_INT4):
+    for target in (TARGET, TARGET_INT4, TARGET_FLOAT32):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 
@@ -163,6 +174,23 @@ def matvec_int8(x: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((M, values.shape[1]), jnp.float32),
                             vmap_method="sequential")
     return call(x.astype(jnp.float32), values, scale.astype(jnp.float32))
+
+
+def float32_fits(n_in: int) -> bool:
+    """Whether a float32 [n_in, N] weight fits :func:`matvec_float32`: whole eight-row passes."""
+    return n_in % 8 == 0
+
+
+def matvec_float32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x`` [M, K] float32 times float32 ``w`` [K, N]: [M, N] float32, on the native kernel (call
+    only where :func:`available` is True and :func:`float32_fits`)."""
+    M, K = x.shape
+    if w.shape[0] != K or w.dtype != jnp.float32 or x.dtype != jnp.float32 or not float32_fits(K):
+        raise ValueError(f"matvec_float32 takes float32 x [M,K] and w [K,N] with K a multiple of 8; got "
+                         f"{x.dtype}{x.shape}, {w.dtype}{w.shape}")
+    call = jax.ffi.ffi_call(TARGET_FLOAT32, jax.ShapeDtypeStruct((M, w.shape[1]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w)
 
 
 def int4_fits(n_in: int, n_out: int, group: int) -> bool:

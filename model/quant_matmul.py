@@ -17,7 +17,8 @@ Rows that no tile size divides go through one dequantized dot of the remaining r
 int8 weights with per-channel scales and int4 weights with per-group scales (one per group of
 inputs of each output) skip the scan where the native kernel builds (``dayzero.kernels.cpu_matvec``:
 the rows converted in registers, never written as fp32); the scan stays the reference it is
-tested against, and the path everywhere else.
+tested against, and the path everywhere else. A float32 decode product there takes the native
+float32 kernel too (XLA's dot, the plain path, is its reference).
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
             else:
                 y = _tiled(x2.astype(out_dtype), w, n_rows_in, n_out)
             return y.reshape(*x.shape[:-1], *out_dims)
+    elif _native_float32(x, w, n_rows_in, out_dtype):
+        rows = math.prod(x.shape[:-1])
+        y = cpu_matvec.matvec_float32(x.reshape(rows, n_rows_in), w.reshape(n_rows_in, -1))
+        return y.reshape(*x.shape[:-1], *out_dims)
     matrix = dequantized(w, x.dtype).reshape(n_rows_in, *out_dims)
     return jnp.tensordot(x, matrix, axes=1, preferred_element_type=out_dtype).astype(out_dtype)
 
@@ -91,6 +96,14 @@ def _native_int8(w: QuantizedArray, n_in: int) -> bool:
     builds on this host."""
     return (w.values.dtype == jnp.int8 and w.block is None and w.scale.size * n_in == w.values.size
             and cpu_matvec.available())
+
+
+def _native_float32(x: jax.Array, w: jax.Array, n_in: int, out_dtype) -> bool:
+    """Whether a float32 product of a decode step (few rows, single-device CPU) goes to the native
+    float32 kernel, which reads the weights faster than XLA:CPU's dot (``kernels.cpu_matvec``)."""
+    return (w.dtype == jnp.float32 and x.dtype == jnp.float32 and out_dtype == jnp.float32
+            and math.prod(x.shape[:-1]) <= TILED_MAX_ROWS and _tiled_here()
+            and cpu_matvec.float32_fits(n_in) and cpu_matvec.available())
 
 
 def _native_int4(w: QuantizedArray, n_in: int, n_out: int) -> bool:

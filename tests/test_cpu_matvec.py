@@ -108,6 +108,30 @@ def test_int4_that_the_kernel_cannot_take_uses_the_scan(native):
     np.testing.assert_allclose(np.asarray(out), expected, atol=2e-6 * np.abs(expected).max(), rtol=0)
 
 
+# SmolLM2's q as [D,N,H] and o as [N,H,D] (two input axes), the head, and column tails (N=13, 4099).
+@pytest.mark.parametrize("shape, n_in", [((576, 9, 64), 1), ((9, 64, 576), 2), ((576, 4099), 1), ((40, 13), 1)])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_native_float32_equals_the_dot(native, shape, n_in, rows):
+    w = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
+    n_rows = math.prod(shape[:n_in])
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((rows, n_rows)), jnp.float32)
+    fn = jax.jit(lambda x, w: quant_matmul.linear(x, w, n_in))
+    assert cpu_matvec.TARGET_FLOAT32 in fn.lower(x, w).as_text()
+    out = np.asarray(fn(x, w)).reshape(rows, -1)
+    expected = np.asarray(x, np.float64) @ np.asarray(w, np.float64).reshape(n_rows, -1)
+    # Measured: <= 4e-7 x the largest output (XLA's fp32 dot: the same).
+    np.testing.assert_allclose(out, expected, atol=2e-6 * np.abs(expected).max(), rtol=0)
+
+
+def test_float32_takes_the_kernel_only_for_few_float32_rows(native):
+    w = jnp.ones((256, 64), jnp.float32)
+    assert cpu_matvec.TARGET_FLOAT32 in _lowered(quant_matmul.linear, jnp.ones((2, 256)), w)
+    assert cpu_matvec.TARGET_FLOAT32 not in _lowered(quant_matmul.linear, jnp.ones((9, 256)), w)  # a prefill
+    assert cpu_matvec.TARGET_FLOAT32 not in _lowered(quant_matmul.linear, jnp.ones((1, 256), jnp.bfloat16),
+                                                     w.astype(jnp.bfloat16))
+    assert cpu_matvec.TARGET_FLOAT32 not in _lowered(quant_matmul.linear, jnp.ones((1, 60)), w[:60])  # 60 rows
+
+
 def _lowered(fn, *args) -> str:
     return jax.jit(fn).lower(*args).as_text()
 
