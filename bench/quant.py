@@ -9,7 +9,7 @@ mean / max per-token KL, teacher-forced greedy agreement over 128 tokens, and th
 prefix of free-running greedy generation).
 
     DAYZERO_CACHE=/tmp/dzcache python bench/quant.py [--schemes fp32,bf16,int8,...]
-        [--prompt-len 128] [--new-tokens 32] [--repeats 2] [--json]
+        [--prompt-len 128] [--new-tokens 32] [--repeats 2] [--rounds 4] [--json]
 
 Schemes: fp32, bf16 (weights and cache in bfloat16), int8, fp8, fp8-block, int4, int4-all
 (weights; int4 only changes MoE experts, so on dense SmolLM2 it is int8; int4-all quantizes every
@@ -122,13 +122,14 @@ def _quiet_stderr():
             os.close(saved)
 
 
-def measure_llamacpp(scheme: str, reference: Engine, quality: tuple, args, tmp: Path) -> dict:
+def measure_llamacpp(scheme: str, reference: Engine, quality: tuple, args, tmp: Path, decoders: dict) -> dict:
     """A llama.cpp row: speed, and its accuracy against dayzero's fp32 logits on the same text
     (an independent implementation of the same model: llama.cpp's own quantization error)."""
     gguf = _llamacpp_gguf(scheme, tmp)
     prompts = bench_prompt(reference.config.vocab_size, args.prompt_len, 1, reference.eos_ids)
     peer = LlamaCppPeer(gguf)
     speed = peer.measure(prompts, args.new_tokens, args.repeats)
+    decoders[scheme] = lambda: peer.measure(prompts, args.new_tokens, args.repeats)["decode_tok_s"]
     text, reference_tokens, reference_logits = quality
     accuracy = logits_agreement(reference_logits, peer.sequence_logits(text + reference_tokens), len(text),
                                 reference_tokens)
@@ -138,16 +139,17 @@ def measure_llamacpp(scheme: str, reference: Engine, quality: tuple, args, tmp: 
             "disk_mb": size, "tensor_mb": size, "device_weights_mb": size, "kv_cache_mb_8k": math.nan, **accuracy}
 
 
-def measure(scheme: str, reference: Engine, quality: tuple, args, tmp: Path) -> dict:
+def measure(scheme: str, reference: Engine, quality: tuple, args, tmp: Path, decoders: dict) -> dict:
     """One row of the table; ``quality``: the text's ids, fp32's greedy continuation of it, and
-    fp32's logits over both."""
+    fp32's logits over both. ``decoders`` gets the row's decode measurement, for the rounds."""
     if scheme in LLAMACPP_FTYPES:
-        return measure_llamacpp(scheme, reference, quality, args, tmp)
+        return measure_llamacpp(scheme, reference, quality, args, tmp, decoders)
     text, reference_tokens, _ = quality
     checkpoint = _checkpoint(scheme, tmp)
     engine = reference if scheme == "fp32" else _engine(scheme, checkpoint)
     prompts = bench_prompt(engine.config.vocab_size, args.prompt_len, 1, engine.eos_ids)
     speed = bench_engine(engine, prompts, args.new_tokens, args.repeats)
+    decoders[scheme] = lambda: bench_engine(engine, prompts, args.new_tokens, args.repeats)["decode_tok_s"]
     row = {
         "scheme": scheme,
         "weights": describe_weights(engine.weights),
@@ -166,6 +168,21 @@ def measure(scheme: str, reference: Engine, quality: tuple, args, tmp: Path) -> 
     if checkpoint.parent == tmp:
         shutil.rmtree(checkpoint)
     return row
+
+
+def interleaved_decode(rows: list[dict], decoders: dict, rounds: int) -> None:
+    """Each row's ``decode_tok_s`` replaced by the median of its first measurement and ``rounds``
+    more, taken round after round with every scheme once per round (kept as ``decode_samples``).
+    A shared host's memory bandwidth drifts by 20-30% within minutes; measured one after another,
+    the rows' ratios would carry that drift (one such run put fp32 at 62.8 tok/s where the rounds
+    of the same build measured 51.5-56.5)."""
+    samples = {r["scheme"]: [r["decode_tok_s"]] for r in rows}
+    for _ in range(rounds):
+        for r in rows:
+            samples[r["scheme"]].append(decoders[r["scheme"]]())
+    for r in rows:
+        r["decode_samples"] = samples[r["scheme"]]
+        r["decode_tok_s"] = float(np.median(samples[r["scheme"]]))
 
 
 def _ratios(rows: list[dict]) -> None:
@@ -193,12 +210,14 @@ def _print(rows: list[dict]) -> None:
 
 
 def main() -> None:
-    """Measure every scheme asked for, in this order, in this one process."""
+    """Measure every scheme asked for, in this order, in this one process, then their decode
+    speed again in interleaved rounds."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--schemes", default=",".join(SCHEMES))
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4, help="interleaved decode rounds after the rows (median)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     schemes = [s for s in args.schemes.split(",") if s]
@@ -209,16 +228,17 @@ def main() -> None:
     text = reference.tokenizer.encode(QUALITY_TEXT)
     reference_tokens = greedy_tokens(reference, text, 128)
     quality = (text, reference_tokens, sequence_logits(reference, text + reference_tokens))
-    rows = []
+    rows, decoders = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for scheme in ["fp32"] + [s for s in schemes if s != "fp32"]:
             try:
-                rows.append(measure(scheme, reference, quality, args, Path(tmp)))
+                rows.append(measure(scheme, reference, quality, args, Path(tmp), decoders))
             except PeerError as e:
                 print(f"{scheme}: skipped: {e}", flush=True)
                 continue
             if args.json:
                 print(json.dumps(rows[-1]), flush=True)
+        interleaved_decode(rows, decoders, args.rounds)
     _ratios(rows)
     if args.json:
         print(json.dumps({r["scheme"]: {k: v for k, v in r.items() if k.startswith("vs_")} for r in rows}))

@@ -1,4 +1,4 @@
-"""Native int8 and int4 matrix-vector products for XLA:CPU decode, called through the XLA FFI.
+"""Native int8, int4 and float32 matrix-vector products for XLA:CPU decode, through the XLA FFI.
 
 Why: a decode step reads every weight once and does two flops per weight, so it is limited by
 the bytes it reads; int8 weights should decode up to 4x faster than fp32, int4 up to 8x. XLA:CPU
@@ -20,15 +20,17 @@ read and written once per eight rows) and converts them in registers:
   prefetched. 30 layers of SmolLM2's projections and the head, chained, all weights read from
   memory (min of 100): int4 5.0-5.6 ms, int8 7.1-7.9 ms, fp32 17-19 ms. Without AVX-512 a
   scalar loop does the same sums.
+- ``dayzero_matvec_f32``: float32 weights, each 32 columns' sums held in two registers through
+  a pass; the same chain 12.5-15.0 ms against XLA's dot 16.9-17.5 (min of 60).
 
-The kernel is compiled on first use with the host's C++ compiler (``$CXX``, else ``g++``) for
-this CPU (``-march=native``) and kept under the dayzero cache (``native/``), keyed by its source,
-flags, compiler, CPU flags and jaxlib version, then registered as the FFI targets
-``dayzero_matvec_i8`` and ``dayzero_matvec_i4``. Where that cannot be done (no compiler, a failed build,
-``DAYZERO_NATIVE_CPU=0``), :func:`available` says False once with the reason in the log and
-callers keep the pure-jnp path (``quant_matmul``'s tiled scan is the reference the tests compare
-this kernel with). ``engine.step_cache`` registers the target before it loads a stored executable
-and puts :func:`fingerprint` in its key.
+The kernels are compiled on first use with the host's C++ compiler (``$CXX``, else ``g++``) for
+this CPU (``-march=native``) and kept under the dayzero cache (``native/``), keyed by their
+source, flags, compiler, CPU flags and jaxlib version, then registered as the FFI targets above.
+Where that cannot be done (no compiler, a failed build, ``DAYZERO_NATIVE_CPU=0``),
+:func:`available` says False once with the reason in the log and callers keep the pure-jnp path
+(``quant_matmul``'s tiled scan and XLA's dot are the references the tests compare the kernels
+with). ``engine.step_cache`` registers the targets before it loads a stored executable and puts
+:func:`fingerprint` in its key.
 """
 
 from __future__ import annotations
@@ -152,8 +154,8 @@ def available(build: bool = True) -> bool:
             _state["ready"] = True
         except Exception as e:  # noqa: BLE001 - any failure leaves the pure-jnp path, said once
             _state["ready"], _state["reason"] = False, str(e)
-            log.warning("the native int8 matvec is unavailable (%s); int8 decode on CPU takes the "
-                        "slower jnp path", e)
+            log.warning("the native CPU matvec kernels are unavailable (%s); int8, int4 and fp32 decode "
+                        "on CPU take the slower jnp path", e)
         return _state["ready"]
 
 

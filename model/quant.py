@@ -45,7 +45,8 @@ about fp32's speed (see that module and :data:`AUTO_WEIGHTS`). XLA:CPU converts 
 fp32 ~10x slower than int8 (the [576 x 49152] matvec, one row tile at a time: int4 100-180 ms,
 fp8 150-230 ms, int8 6-8 ms, fp32 11-23 ms, on a loaded 2-core host). int8 per channel and int4
 per group skip the scan where the native kernels build (``dayzero.kernels.cpu_matvec``) and
-decode 1.6-1.7x and 2.6x faster than fp32; fp8 has no native kernel and still costs time on CPU.
+decode 1.6-1.9x and 1.85-2.6x faster than fp32 (SmolLM2-135M, ``bench/quant.py``); fp8 has no
+native kernel and still costs time on CPU.
 
 Why not Google's qwix: its core ``QArray`` (qvalue, scale, static qtype) is close to this type, but
 (a) its scale tiles must divide every dimension, so DeepSeek's partial 128 x 128 blocks would need
@@ -111,7 +112,7 @@ class WeightQuant(enum.Enum):
     ``int4`` is for MoE models (4-bit experts, the bulk of the bytes; attention int8); on a dense
     model it is int8. ``int4-all`` is 4 bits everywhere, as llama.cpp's q4_0 (which groups 32
     inputs too, with 16 levels where dayzero's symmetric int4 has 15): on SmolLM2-135M it decodes
-    2.6x faster than fp32 on CPU at a mean KL of 0.38 (q4_0: 0.27; ``bench/quant.py``).
+    1.85-2.6x faster than fp32 on CPU at a mean KL of 0.38 (q4_0: 0.27; ``bench/quant.py``).
     """
 
     NONE = "none"
@@ -153,10 +154,11 @@ MXFP4_BLOCK = (32, 1)  # [in, out] block of MXFP4: one scale per 32 inputs of ea
 # weight bytes), not time. An int8 / fp8 KV cache was as fast as fp32 at 128 tokens, but at a
 # 2000-token prompt decoded 15.2 / 6.2 tok/s against 23.6 (the whole cache is converted each
 # step), so auto keeps the fp32 cache too. Since then the native kernels (kernels/cpu_matvec)
-# made int8 1.6-1.7x and int4-all 2.6x faster than fp32 (one run: 40.8, 67.3, 105.4 tok/s), but
-# auto still keeps fp32 on CPU: quantizing changes the numerics (int4-all's KL 0.38 is a
-# different model), which a user asks for by name, and every HF-parity check loads the default. GPU/TPU have not been measured yet; until they are,
-# auto does not quantize there either.
+# made int8 1.6-1.9x and int4-all 1.85-2.6x faster than fp32 (bench/quant.py, several runs; one
+# interleaved: fp32 49.1, int8 78.2, int4-all 90.9 tok/s), but auto still keeps fp32 on CPU:
+# quantizing changes the numerics (int4-all's KL 0.38 is a different model), which a user asks
+# for by name, and every HF-parity check loads the default. GPU/TPU have not been measured yet;
+# until they are, auto does not quantize there either.
 AUTO_WEIGHTS = {"cpu": WeightQuant.NONE}
 AUTO_KV = {"cpu": KVQuant.NONE}
 

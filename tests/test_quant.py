@@ -261,9 +261,9 @@ def test_bench_reports_the_schemes_and_their_bytes(tiny_model, capsys):
 
 
 def test_int4_all_converts_loads_as_stored_and_decodes_on_the_native_kernel(tiny_model, tmp_path, capsys):
-    """``convert --quantize int4-all`` writes int4 values (half a byte each on the device) with a
-    scale per 32 inputs; loading it without --quantize reads the scheme back, equals quantizing at
-    load, and greedy decoding gives the same tokens as the jnp scan (``DAYZERO_NATIVE_CPU=0``)."""
+    """``convert --quantize int4-all`` writes int4 values with a scale per 32 inputs; loading it
+    without --quantize reads the scheme back and equals quantizing at load; greedy decoding gives
+    the same tokens served (continuous batching, paged) and on the jnp scan (``DAYZERO_NATIVE_CPU=0``)."""
     from dayzero.kernels import cpu_matvec
 
     dst = tmp_path / "int4-all"
@@ -277,6 +277,13 @@ def test_int4_all_converts_loads_as_stored_and_decodes_on_the_native_kernel(tiny
         np.testing.assert_array_equal(np.asarray(named_leaves(engine.weights)[name]), np.asarray(leaf), err_msg=name)
     prompt = [5, 9, 14, 200, 3]
     tokens = engine.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
+    # Served with continuous batching over paged caches: the same decode products, the same tokens.
+    from dayzero.engine.serving import ServingConfig, ServingEngine
+
+    served = ServingEngine(engine, ServingConfig(slots=2)).run([prompt, prompt[:3]], max_new_tokens=12,
+                                                               ignore_eos=True)
+    assert served[0].token_ids == tokens
+    assert served[1].token_ids == engine.generate(prompt[:3], max_new_tokens=12, ignore_eos=True).token_ids
     if cpu_matvec.available():
         import subprocess
         import sys
