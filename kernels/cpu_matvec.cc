@@ -1,5 +1,5 @@
-// Few-row matrix products with int8 and int4 weights for XLA:CPU decode, called through the XLA
-// FFI (dayzero/kernels/cpu_matvec.py builds and registers this file; its docstring says why).
+// Few-row matrix products with int8, int4 and float32 weights for XLA:CPU decode, called through
+// the XLA FFI (dayzero/kernels/cpu_matvec.py builds and registers this file; its docstring says why).
 //
 //   dayzero_matvec_i8:  y[M,N] = (x[M,K] @ float(w[K,N])) * scale[N]           (x, scale, y float32)
 //   dayzero_matvec_i4:  y[M,N] = sum over k of x[:,k] * float(w[k,:]) * scale[k / group, :]

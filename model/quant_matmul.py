@@ -46,6 +46,12 @@ TILED_MAX_ROWS = 8
 # fp32 42.6 ms, int8 25.9 ms; int8 with an fp32 head 73.8 ms (load average ~12 on 2 cores).
 TILE_ROWS = ((math.inf, 64),)  # one size served every shape measured
 MIN_TILE_ROWS = 8  # below this a tile's dot is too thin; such sizes take the tail path whole
+# Most activation rows for which a float32 product takes the native kernel. It re-reads the
+# weights once per row from cache, where XLA's dot reads them once for all rows: 30 SmolLM2
+# layers' products and the head, chained, min of 60 (native against XLA): 1 row 15.1-16.0 ms
+# against 19.2-20.8, 2 rows 17.3 against 19.9-21.8, 4 rows 23.1-25.2 against 23.8-26.9 (even),
+# 8 rows 52-58 against 41-50.
+FLOAT32_NATIVE_MAX_ROWS = 2
 
 
 def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
@@ -102,7 +108,7 @@ def _native_float32(x: jax.Array, w: jax.Array, n_in: int, out_dtype) -> bool:
     """Whether a float32 product of a decode step (few rows, single-device CPU) goes to the native
     float32 kernel, which reads the weights faster than XLA:CPU's dot (``kernels.cpu_matvec``)."""
     return (w.dtype == jnp.float32 and x.dtype == jnp.float32 and out_dtype == jnp.float32
-            and math.prod(x.shape[:-1]) <= TILED_MAX_ROWS and _tiled_here()
+            and math.prod(x.shape[:-1]) <= FLOAT32_NATIVE_MAX_ROWS and _tiled_here()
             and cpu_matvec.float32_fits(n_in) and cpu_matvec.available())
 
 

@@ -110,7 +110,7 @@ def test_int4_that_the_kernel_cannot_take_uses_the_scan(native):
 
 # SmolLM2's q as [D,N,H] and o as [N,H,D] (two input axes), the head, and column tails (N=13, 4099).
 @pytest.mark.parametrize("shape, n_in", [((576, 9, 64), 1), ((9, 64, 576), 2), ((576, 4099), 1), ((40, 13), 1)])
-@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("rows", [1, quant_matmul.FLOAT32_NATIVE_MAX_ROWS])
 def test_native_float32_equals_the_dot(native, shape, n_in, rows):
     w = jnp.asarray(np.random.default_rng(0).standard_normal(shape), jnp.float32)
     n_rows = math.prod(shape[:n_in])
@@ -125,8 +125,10 @@ def test_native_float32_equals_the_dot(native, shape, n_in, rows):
 
 def test_float32_takes_the_kernel_only_for_few_float32_rows(native):
     w = jnp.ones((256, 64), jnp.float32)
-    assert cpu_matvec.TARGET_FLOAT32 in _lowered(quant_matmul.linear, jnp.ones((2, 256)), w)
-    assert cpu_matvec.TARGET_FLOAT32 not in _lowered(quant_matmul.linear, jnp.ones((9, 256)), w)  # a prefill
+    rows = quant_matmul.FLOAT32_NATIVE_MAX_ROWS
+    assert cpu_matvec.TARGET_FLOAT32 in _lowered(quant_matmul.linear, jnp.ones((rows, 256)), w)
+    # more rows (a batch, a prefill): XLA's dot reads the weights once for all of them
+    assert cpu_matvec.TARGET_FLOAT32 not in _lowered(quant_matmul.linear, jnp.ones((rows + 1, 256)), w)
     assert cpu_matvec.TARGET_FLOAT32 not in _lowered(quant_matmul.linear, jnp.ones((1, 256), jnp.bfloat16),
                                                      w.astype(jnp.bfloat16))
     assert cpu_matvec.TARGET_FLOAT32 not in _lowered(quant_matmul.linear, jnp.ones((1, 60)), w[:60])  # 60 rows
@@ -226,7 +228,10 @@ def test_a_stored_step_with_the_kernel_loads_in_a_fresh_process(native, tmp_path
         out = steps.call(fn, ("matvec",), jnp.ones((1, 256)), q)
         print(steps.built, steps.loaded, float(out.sum()))
     """ % str(tmp_path / "steps")
-    env = {"DAYZERO_CACHE": os.environ.get("DAYZERO_CACHE", str(tmp_path / "cache"))}
+    # The default cache, where the module's fixture built the kernel: the fresh processes load it.
+    from dayzero.engine.default_model import cache_root
+
+    env = {"DAYZERO_CACHE": str(cache_root())}
     first, second = _run(code, env), _run(code, env)
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     built_1, loaded_1, sum_1 = first.stdout.split()
