@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -285,14 +288,11 @@ def test_int4_all_converts_loads_as_stored_and_decodes_on_the_native_kernel(tiny
     assert served[0].token_ids == tokens
     assert served[1].token_ids == engine.generate(prompt[:3], max_new_tokens=12, ignore_eos=True).token_ids
     if cpu_matvec.available():
-        import subprocess
-        import sys
-
         scan = subprocess.run([sys.executable, "-c", (
             "import json, sys; from dayzero.engine import Engine; "
             f"print(json.dumps(Engine.load(sys.argv[1]).generate({prompt}, max_new_tokens=12, "
             "ignore_eos=True).token_ids))"), str(dst)], capture_output=True, text=True,
-            env={**__import__("os").environ, "DAYZERO_NATIVE_CPU": "0"}, timeout=300)
+            env={**os.environ, "DAYZERO_NATIVE_CPU": "0"}, timeout=300)
         assert scan.returncode == 0, scan.stderr
         assert json.loads(scan.stdout.strip().splitlines()[-1]) == tokens
 
