@@ -66,11 +66,11 @@ def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
         raise ValueError(f"activations [..., {x.shape[-1]}] do not match a weight of shape {tuple(w.shape)} "
                          f"contracted over its first {n_in} axes ({n_rows_in} rows)")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    rows = math.prod(x.shape[:-1])
     if isinstance(w, QuantizedArray):
         if tuple(w.in_axes) != tuple(range(n_in)):
             raise ValueError(f"a quantized weight contracted over its first {n_in} axes must have in_axes "
                              f"{tuple(range(n_in))}, got {w.in_axes}")
-        rows = math.prod(x.shape[:-1])
         if _tiled_here() and rows <= TILED_MAX_ROWS:
             x2 = x.reshape(rows, n_rows_in)
             n_out = math.prod(out_dims)
@@ -82,8 +82,7 @@ def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
             else:
                 y = _tiled(x2.astype(out_dtype), w, n_rows_in, n_out)
             return y.reshape(*x.shape[:-1], *out_dims)
-    elif _native_float32(x, w, n_rows_in, out_dtype):
-        rows = math.prod(x.shape[:-1])
+    elif _native_float32(x, w, rows, n_rows_in, out_dtype):
         y = cpu_matvec.matvec_float32(x.reshape(rows, n_rows_in), w.reshape(n_rows_in, -1))
         return y.reshape(*x.shape[:-1], *out_dims)
     matrix = dequantized(w, x.dtype).reshape(n_rows_in, *out_dims)
@@ -104,11 +103,12 @@ def _native_int8(w: QuantizedArray, n_in: int) -> bool:
             and cpu_matvec.available())
 
 
-def _native_float32(x: jax.Array, w: jax.Array, n_in: int, out_dtype) -> bool:
-    """Whether a float32 product of a decode step (few rows, single-device CPU) goes to the native
-    float32 kernel, which reads the weights faster than XLA:CPU's dot (``kernels.cpu_matvec``)."""
+def _native_float32(x: jax.Array, w: jax.Array, rows: int, n_in: int, out_dtype) -> bool:
+    """Whether a float32 product of ``rows`` activation rows (a decode step's few, on
+    single-device CPU) goes to the native float32 kernel, which reads the weights faster than
+    XLA:CPU's dot (``kernels.cpu_matvec``)."""
     return (w.dtype == jnp.float32 and x.dtype == jnp.float32 and out_dtype == jnp.float32
-            and math.prod(x.shape[:-1]) <= FLOAT32_NATIVE_MAX_ROWS and _tiled_here()
+            and rows <= FLOAT32_NATIVE_MAX_ROWS and _tiled_here()
             and cpu_matvec.float32_fits(n_in) and cpu_matvec.available())
 
 

@@ -109,12 +109,14 @@ class LlamaCppPeer:
         self._Llama = Llama
         self._llm = None
 
+    def _new_model(self, n_ctx: int, **options):
+        """A llama.cpp context of ``n_ctx`` tokens on all CPU threads (``options``: more Llama arguments)."""
+        return self._Llama(model_path=str(self.gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=os.cpu_count() or 1,
+                           verbose=False, **options)
+
     def _model(self, n_ctx: int):
         if self._llm is None or self._llm.n_ctx() < n_ctx:
-            threads = os.cpu_count() or 1
-            self._llm = self._Llama(
-                model_path=str(self.gguf), n_ctx=n_ctx, n_batch=n_ctx, n_threads=threads, verbose=False
-            )
+            self._llm = self._new_model(n_ctx)
         return self._llm
 
     def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
@@ -137,8 +139,6 @@ class LlamaCppPeer:
 
     def sequence_logits(self, ids: list[int]) -> np.ndarray:
         """llama.cpp's logits [n, V] at every position of ``ids`` (one pass, float32)."""
-        threads = os.cpu_count() or 1
-        llm = self._Llama(model_path=str(self.gguf), n_ctx=len(ids), n_batch=len(ids), n_threads=threads,
-                          logits_all=True, verbose=False)
+        llm = self._new_model(len(ids), logits_all=True)
         llm.eval(list(ids))
         return np.asarray(llm.scores[: len(ids)], np.float32)
