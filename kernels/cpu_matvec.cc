@@ -10,12 +10,10 @@
 // first write the fp32 matrix. XLA hands an int4 array over packed, two values per byte, the
 // even-indexed value in the low nibble (checked in tests/test_cpu_matvec.py).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <functional>
-#include <memory>
-#include <thread>
 #include <vector>
+#include "cpu_parallel.h"
 #include "xla/ffi/api/ffi.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -169,43 +167,22 @@ void RowsF32(const float* x, const float* __restrict w, float* __restrict acc, i
   }
 }
 
-// Work is cut into parts (ranges of w's rows, each summed into its own partial by ``rows``) that
-// the calling thread and the pool's threads claim from a shared counter. The caller claims parts
-// too, so it never waits on a part nobody has started: a pool thread busy elsewhere (XLA runs
-// independent thunks on the same pool) cannot deadlock a call. The state is shared: a task the
-// pool starts after the call returned finds no part left.
-struct Job {
-  std::function<void(float* partial, int64_t k0, int64_t k1)> rows;
-  int64_t K, MN, parts, align;  // part boundaries are multiples of align rows
-  std::vector<float> partial;  // [parts, M, N]
-  std::atomic<int64_t> next{0}, done{0};
-
-  int64_t Bound(int64_t p) const { return p == parts ? K : (K * p / parts) / align * align; }
-
-  void Work() {
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      rows(partial.data() + p * MN, Bound(p), Bound(p + 1));
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Sums parts of w's rows on the pool and the calling thread into y[M,N], times ``column_scale``
-// (per column; none for int4, whose parts are scaled per group and ``split``: in SplitColumn's order).
+// Sums parts of w's rows (ranges whose boundaries are multiples of ``align`` rows, each summed
+// into its own partial by ``rows``) on the pool and the calling thread into y[M,N], times
+// ``column_scale`` (per column; none for int4, whose parts are scaled per group and ``split``: in
+// SplitColumn's order).
 void Run(ffi::ThreadPool pool, std::function<void(float*, int64_t, int64_t)> rows, const float* column_scale,
          float* y, int64_t M, int64_t K, int64_t N, int64_t align, bool split) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // Small products stay on the calling thread: a hand-off costs more than the work.
   const int64_t parts = (K * N < (1 << 16) || K < 2 * kRows) ? 1 : std::min<int64_t>(threads, K / kRows);
-  auto job = std::make_shared<Job>();
-  job->rows = std::move(rows), job->K = K, job->MN = M * N, job->parts = parts, job->align = align;
-  job->partial.assign(parts * M * N, 0.0f);
-  for (int64_t t = 1; t < parts; ++t) pool.Schedule([job] { job->Work(); });
-  job->Work();
-  while (job->done.load(std::memory_order_acquire) < parts) std::this_thread::yield();
-  for (int64_t i = 0; i < M * N; ++i) {
+  const int64_t MN = M * N;
+  std::vector<float> partial(parts * MN, 0.0f);
+  auto bound = [=](int64_t p) { return p == parts ? K : (K * p / parts) / align * align; };
+  dayzero::ParallelFor(pool, parts, parts, [&](int64_t p) { rows(partial.data() + p * MN, bound(p), bound(p + 1)); });
+  for (int64_t i = 0; i < MN; ++i) {
     float sum = 0;
-    for (int64_t p = 0; p < parts; ++p) sum += job->partial[p * M * N + i];
+    for (int64_t p = 0; p < parts; ++p) sum += partial[p * MN + i];
     const int64_t row = i / N, column = split ? SplitColumn(i % N, N) : i % N;
     y[row * N + column] = column_scale == nullptr ? sum : sum * column_scale[column];
   }

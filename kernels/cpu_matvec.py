@@ -53,10 +53,17 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matvec.cc")
+# Built into the same library: the decode attention (``kernels.cpu_attention``) and their shared
+# work-sharing header.
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"))
+HEADERS = (SOURCE.with_name("cpu_parallel.h"),)
 TARGET = "dayzero_matvec_i8"
 TARGET_INT4 = "dayzero_matvec_i4"
 TARGET_FLOAT32 = "dayzero_matvec_f32"
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
+TARGET_ATTENTION = "dayzero_cached_attention"
+# -fopenmp-simd: the kernels' ``omp simd`` loops (reductions vectorized without -ffast-math); no
+# OpenMP runtime is linked.
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300
 
 _lock = threading.Lock()
@@ -79,12 +86,13 @@ def _cpu_flags() -> str:
 
 @functools.cache
 def _library_key(cxx: str) -> str:
-    """The build's key for compiler ``cxx``: source, flags, compiler, CPU and jaxlib, none of
+    """The build's key for compiler ``cxx``: sources, flags, compiler, CPU and jaxlib, none of
     which change while a process runs (computed once: ``fingerprint`` is in every step's key)."""
     import jaxlib
 
-    return hashlib.sha256(repr((SOURCE.read_bytes(), FLAGS, os.path.realpath(cxx), _cpu_flags(),
-                                platform.machine(), jaxlib.__version__)).encode()).hexdigest()[:20]
+    sources = tuple(path.read_bytes() for path in SOURCES + HEADERS)
+    return hashlib.sha256(repr((sources, FLAGS, os.path.realpath(cxx), _cpu_flags(), platform.machine(),
+                                jaxlib.__version__)).encode()).hexdigest()[:20]
 
 
 def _library_path() -> Path | None:
@@ -113,7 +121,7 @@ def _build(path: Path) -> None:
     """Compile the kernel to ``path`` (complete or absent: written under another name, then moved)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}-{threading.get_ident()}.partial")
-    command = [_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+    command = [_compiler(), *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
@@ -125,7 +133,7 @@ def _build(path: Path) -> None:
 
 def _register(path: Path) -> None:
     library = ctypes.cdll.LoadLibrary(str(path))
-    for target in (TARGET, TARGET_INT4, TARGET_FLOAT32):
+    for target in (TARGET, TARGET_INT4, TARGET_FLOAT32, TARGET_ATTENTION):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 

@@ -35,7 +35,7 @@ from dayzero.model.mrope import ImageInput
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.model.offload import stream_layer
-from dayzero.kernels import KernelMode
+from dayzero.kernels import KernelMode, cpu_attention
 from dayzero.kernels.tiles import Stats, finish_stats, masked_stats, merge_stats
 from dayzero.model.kernel_attention import HeadSplit, KernelLayer, NewTokensLayer, PagedKernelCache
 from dayzero.model.quant import QuantizedArray, as_stored, dequantized
@@ -109,7 +109,10 @@ def attend(
     qg = (q * (H**-0.5)).reshape(B, T, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * T, H)
     mask_cached, mask_new = masks  # [B, T, S], [B, T, T]
     stats = _key_stats(qg, k_new, v_new, mask_new, "bskh", "bskh")
-    if k_cache is not None:
+    if k_cache is not None and cpu_attention.applies(q, k_cache, v_cache, keys_token_major):
+        # Single-device CPU decode over a float32 cache: read where it lies, no block copies.
+        stats = merge_stats(cpu_attention.cached_stats(qg, k_cache, v_cache, mask_cached), stats)
+    elif k_cache is not None:
         keys = "bksh" if keys_token_major else "bkhs"
 
         def cached_block(start, size, mask):  # positions [start, start + size) and their mask

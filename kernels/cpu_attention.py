@@ -1,0 +1,56 @@
+"""Native decode attention over a contiguous float32 KV cache for XLA:CPU, through the XLA FFI.
+
+Why: on XLA:CPU, ``model.transformer.attend`` reads the cache in blocks (``cache.fold_blocks``),
+and each block is a copy of keys and values (a ``dynamic-slice``, a zeroing ``select``) before
+two small batched matmuls and half a dozen elementwise ops, each a separate thunk. At SmolLM2's
+shapes that was about a tenth of an fp32 decode step after a 128-token prompt and more after
+2048. ``cpu_attention.cc`` reads the visible positions of the cache where they lie and returns
+the softmax statistics (m, l, o) of the queries over them, which ``attend`` merges with those of
+the new keys (``kernels.tiles.merge_stats``), as it merges its blocks.
+
+It is built into the same library as the matrix-vector kernels (``kernels.cpu_matvec``: built on
+first use, where a compiler is found; ``DAYZERO_NATIVE_CPU=0`` turns both off), and taken only
+where :func:`applies`: single-device CPU, a plain float32 cache in the contiguous layout
+(keys [B,K,H,S], values [B,K,S,H]) and a few query tokens per row (decode, speculative verify).
+Everything else (quantized or paged caches, meshes, prefill chunks, other platforms) takes
+``fold_blocks``, which is also the reference the tests compare the kernel with.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from dayzero.kernels import cpu_matvec
+from dayzero.kernels.tiles import Stats
+
+# Most query tokens per row for which the kernel is taken: it scores each query row against the
+# keys separately, where XLA's batched matmul shares the key reads across rows.
+MAX_QUERY_TOKENS = 8
+
+
+def applies(q: jax.Array, keys, values, keys_token_major: bool) -> bool:
+    """Whether :func:`cached_stats` serves queries ``q`` [B,T,N,H] over this cache: single-device
+    CPU with the native kernels built, float32 arrays (not quantized) in the contiguous layout,
+    at most ``MAX_QUERY_TOKENS`` tokens per row."""
+    return (not keys_token_major and isinstance(keys, jax.Array) and isinstance(values, jax.Array)
+            and keys.dtype == values.dtype == q.dtype == jnp.float32 and q.shape[1] <= MAX_QUERY_TOKENS
+            and jax.default_backend() == "cpu" and jax.device_count() == 1 and cpu_matvec.available())
+
+
+def cached_stats(qg: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> Stats:
+    """Softmax statistics of queries ``qg`` [B,K,G*T,H] (already scaled; row r is query token
+    r % T) over the cached ``keys`` [B,K,H,S] and ``values`` [B,K,S,H] that ``mask`` [B,T,S]
+    shows: (m [B,K,G*T], l [B,K,G*T], o [B,K,G*T,H]), float32, as
+    :func:`dayzero.kernels.tiles.masked_stats` gives them (a row that sees nothing: -inf, 0, 0).
+    Call only where :func:`applies`."""
+    B, K, M, H = qg.shape
+    S = keys.shape[-1]
+    if keys.shape != (B, K, H, S) or values.shape != (B, K, S, H) or mask.shape[::2] != (B, S) or M % mask.shape[1]:
+        raise ValueError(f"cached_stats takes q [B,K,G*T,H], keys [B,K,H,S], values [B,K,S,H] and mask [B,T,S]; "
+                         f"got {qg.shape}, {keys.shape}, {values.shape}, {mask.shape}")
+    f32 = jnp.float32
+    out = (jax.ShapeDtypeStruct((B, K, M), f32), jax.ShapeDtypeStruct((B, K, M), f32),
+           jax.ShapeDtypeStruct((B, K, M, H), f32))
+    call = jax.ffi.ffi_call(cpu_matvec.TARGET_ATTENTION, out, vmap_method="sequential")
+    return tuple(call(qg.astype(f32), keys, values, mask.astype(jnp.bool_)))

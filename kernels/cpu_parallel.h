@@ -1,0 +1,52 @@
+// Work sharing for the native CPU kernels (cpu_matvec.cc, cpu_attention.cc): a call's items are
+// claimed from a shared counter by the calling thread and by tasks put on XLA's intra-op pool.
+#ifndef DAYZERO_KERNELS_CPU_PARALLEL_H_
+#define DAYZERO_KERNELS_CPU_PARALLEL_H_
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace dayzero {
+
+// The state of one ParallelFor call, shared with the pool's tasks: a task that starts after the
+// call returned finds no item left and touches nothing else.
+struct Items {
+  std::function<void(int64_t)> run;
+  int64_t count = 0;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void Work() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
+      run(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+// Runs run(i) for every i in [0, count) on at most ``workers`` threads: the caller and up to
+// workers - 1 tasks on ``pool``. The caller claims items too, so it never waits on an item
+// nobody has started: a pool thread busy elsewhere (XLA runs independent thunks on the same
+// pool) cannot deadlock a call. Returns when every item is done.
+inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count, int64_t workers, std::function<void(int64_t)> run) {
+  if (count <= 0) return;
+  workers = std::min<int64_t>({workers, count, std::max<int64_t>(pool.num_threads(), 1)});
+  if (workers <= 1) {
+    for (int64_t i = 0; i < count; ++i) run(i);
+    return;
+  }
+  auto items = std::make_shared<Items>();
+  items->run = std::move(run), items->count = count;
+  for (int64_t t = 1; t < workers; ++t) pool.Schedule([items] { items->Work(); });
+  items->Work();
+  while (items->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+}  // namespace dayzero
+
+#endif  // DAYZERO_KERNELS_CPU_PARALLEL_H_
