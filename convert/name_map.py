@@ -352,13 +352,14 @@ _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
-    """A multi-token-prediction module's tensor that is not converted. GLM-4.5 and GLM-5's
-    modules (``num_nextn_predict_layers``; MiniMax-M2's ``num_mtp_modules`` x
-    ``mtp_transformer_layers`` alike), stored as layers num_layers and up: no drafter runs them,
-    so they are skipped, as HF's own ``*ForCausalLM`` skips them when loading; ``dayzero check``
-    counts them as ignored, and the converted config keeps ``mtp_layers``. DeepSeek-V3's modules
-    are converted when the source has them (:func:`with_kept_mtp`), all but their copies of the
-    embedding and the head (``embed_tokens``, ``shared_head.head``: the main model's are used).
+    """A multi-token-prediction module's tensor that is not converted. GLM-5's modules
+    (``num_nextn_predict_layers``; MiniMax-M2's ``num_mtp_modules`` x ``mtp_transformer_layers``
+    alike), stored as layers num_layers and up: no drafter runs them, so they are skipped, as
+    HF's own ``*ForCausalLM`` skips them when loading; ``dayzero check`` counts them as ignored,
+    and the converted config keeps ``mtp_layers``. The modules of ``model.mtp.MTP_FAMILIES``
+    (DeepSeek-V3, Kimi-K2, GLM-4.5) are converted when the source has them
+    (:func:`with_kept_mtp`), all but their copies of the embedding and the head
+    (``embed_tokens``, ``shared_head.head``: the main model's are used).
     A layer past the MTP ones is refused like any unknown tensor."""
     match = _LAYER_INDEX.match(name)
     if not (match and c.num_layers <= int(match.group(1)) < c.num_layers + c.mtp_layers):
@@ -367,9 +368,10 @@ def _is_mtp_tensor(c: ModelConfig, name: str) -> bool:
 
 
 def with_kept_mtp(c: ModelConfig, names: Iterable[str]) -> ModelConfig:
-    """``c`` as a source with tensors ``names`` converts: a DeepSeek-V3 source with any tensor of
-    its MTP modules keeps them (``mtp_kept``; then every one of their tensors is required, with
-    its shape checked); one without them converts without (``--speculative mtp`` refuses it)."""
+    """``c`` as a source with tensors ``names`` converts: a source of an MTP family (DeepSeek-V3,
+    Kimi-K2, GLM-4.5) with any tensor of its MTP modules keeps them (``mtp_kept``; then every
+    one of their tensors is required, with its shape checked); one without them converts
+    without (``--speculative mtp`` refuses it)."""
     from dayzero.model.mtp import MTP_FAMILIES
 
     if c.family not in MTP_FAMILIES or not c.mtp_layers or c.vision is not None:

@@ -261,8 +261,8 @@ def _add_serve_parser(sub) -> None:
                         "copied there and back on a later hit, e.g. 8GiB (default: the device pool's size; 0: off)")
     s.add_argument("--speculative", metavar="ngram|mtp|draft:DIR",
                    help="speculative decoding with n-gram drafts, the model's own multi-token-prediction layers "
-                        "(mtp, DeepSeek-V3) or the converted small model in DIR (same tokenizer), verified per "
-                        "decode step; same output distribution")
+                        "(mtp: DeepSeek-V3, Kimi-K2, GLM-4.5) or the converted small model in DIR (same "
+                        "tokenizer), verified per decode step; same output distribution")
     s.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
     s.add_argument("--micro-batches", type=int, metavar="M",
                    help="a pipeline (--mesh stage=N) cuts each decode step's rows into M micro-batches in flight "
@@ -370,8 +370,8 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     (read by :func:`speculative_config`)."""
     p.add_argument("--speculative", metavar="ngram|mtp|draft:DIR",
                    help="speculative decoding with this drafter (ngram: prompt lookup; mtp: the model's own "
-                        "multi-token-prediction layers, DeepSeek-V3; draft:DIR: the converted small model in DIR, "
-                        "same tokenizer); same output distribution")
+                        "multi-token-prediction layers: DeepSeek-V3, Kimi-K2, GLM-4.5; draft:DIR: the converted "
+                        "small model in DIR, same tokenizer); same output distribution")
     p.add_argument("--num-draft-tokens", type=int, metavar="K", help="draft tokens verified per step (default 4)")
     p.add_argument("--ngram", metavar="MIN,MAX", help="suffix lengths the ngram drafter looks up (default 2,4)")
 

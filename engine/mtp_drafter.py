@@ -1,5 +1,5 @@
 """The MTP drafter of speculative decoding: the model's own multi-token-prediction module
-(DeepSeek-V3's ``num_nextn_predict_layers``, ``dayzero.model.mtp``) proposes K tokens per row.
+(``num_nextn_predict_layers`` of DeepSeek-V3, Kimi-K2, GLM-4.5; ``dayzero.model.mtp``) proposes K tokens per row.
 
 Entry j of the module's one-layer cache pairs token s[j+1] with the main model's hidden state
 h[j] (after its final norm), at position j: its output predicts s[j+2]. Invariant between steps:

@@ -67,8 +67,9 @@ if TYPE_CHECKING:
 def mtp_serving_refusal(config: ModelConfig) -> str | None:
     """Why a serving engine cannot draft with this model's MTP module (None: it can)."""
     reason = mtp_refusal(config)
-    if reason is None and config.mla is None:  # (DeepSeek-V3's attention is always latent)
-        reason = "serving drafts with an MTP module over latent attention (MLA) only; use --speculative ngram"
+    if reason is None and config.mla is None:  # GLM-4.5's module (GQA): Engine.generate only
+        reason = ("serving drafts with an MTP module over latent attention (MLA: DeepSeek-V3, Kimi-K2) only; "
+                  "use --speculative ngram")
     return reason
 
 

@@ -5,7 +5,7 @@ checks them all, and the accepted ones (plus one more token of the target's own)
   the sequence so far (``max_n`` tokens down to ``min_n``) that occurred before in the prompt or
   the generated text proposes the tokens that followed its latest occurrence; a small draft
   model sharing the tokenizer (``dayzero.engine.draft_model``), whose own distribution q each
-  draft is drawn from; or the model's own multi-token-prediction module (DeepSeek-V3's
+  draft is drawn from; or the model's own multi-token-prediction module (DeepSeek-V3's, Kimi-K2's or GLM-4.5's
   ``num_nextn_predict_layers``, ``dayzero.engine.mtp_drafter``), fed the target's hidden states
   (the verify step returns them), its distribution q likewise.
 - The verify step (:func:`verify_step`) feeds each row's last emitted token and its K drafts
@@ -59,7 +59,7 @@ class DraftKind(enum.Enum):
 
     NGRAM = "ngram"  # prompt lookup: the continuation of an earlier occurrence of the recent suffix
     DRAFT = "draft"  # a small model sharing the target's tokenizer (``SpecConfig.draft``)
-    MTP = "mtp"  # the target's own multi-token-prediction module (DeepSeek-V3)
+    MTP = "mtp"  # the target's own multi-token-prediction module (DeepSeek-V3, Kimi-K2, GLM-4.5)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,13 +139,14 @@ def speculative_refusal(config: ModelConfig, run: RunConfig) -> str | None:
 
 
 def mtp_refusal(config: ModelConfig) -> str | None:
-    """Why the MTP drafter cannot draft for this model (None: it can): it needs DeepSeek-V3's
-    multi-token-prediction modules, converted from a checkpoint that has them."""
+    """Why the MTP drafter cannot draft for this model (None: it can): it needs the
+    multi-token-prediction modules of DeepSeek-V3, Kimi-K2 or GLM-4.5 (``model.mtp.MTP_FAMILIES``),
+    converted from a checkpoint that has them."""
     from dayzero.model.mtp import MTP_FAMILIES
 
     if config.family not in MTP_FAMILIES:
-        return (f"--speculative mtp needs a model with multi-token-prediction layers that dayzero runs (DeepSeek-V3), "
-                f"not {config.family.value}; use --speculative ngram or draft:DIR")
+        return ("--speculative mtp needs a model with multi-token-prediction layers that dayzero runs (DeepSeek-V3, "
+                f"Kimi-K2, GLM-4.5/4.6/4.7), not {config.family.value}; use --speculative ngram or draft:DIR")
     if not config.mtp_layers:
         return ("this model has no multi-token-prediction layers (num_nextn_predict_layers is 0); use --speculative "
                 "ngram or draft:DIR")

@@ -10,8 +10,10 @@
 // dayzero.kernels.tiles.merge_stats takes for an empty block). Hidden positions are never read
 // into o, so whatever the cache holds there (NaN included) cannot leak in.
 //
-// Only positions from the first to the last any row of b shows are read, cut into chunks that
-// the threads take; each chunk's statistics are merged into the group's at the end.
+// Only positions from the first to the last any row of b shows are read. Each (b, k) group's
+// positions are cut into pieces that the threads take (several per group when the groups are
+// fewer than the threads), read a 512-position chunk at a time with the chunks' statistics
+// merged as they come; the pieces are merged in order at the end.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,7 +30,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Positions per work item: 512 keys of 64 dims is 128 KiB of keys and as much of values.
+// Positions read at a time (a chunk): 512 keys of 64 dims are 128 KiB of keys and as much of values.
 constexpr int64_t kChunk = 512;
 // Fewer keys than this (positions x key heads, all rows together) are read by the calling thread.
 constexpr int64_t kMinParallelKeys = 1024;
@@ -186,6 +188,37 @@ void VisibleRange(const Shape& d, const bool* mask, int64_t b, int64_t* lo, int6
   if (*hi <= *lo) *lo = *hi = 0;
 }
 
+// Statistics (m2, l2, o2) of M rows merged into (m, l, o), both rescaled to their shared maximum.
+void MergeInto(float* m, float* l, float* o, const float* m2, const float* l2, const float* o2, int64_t M,
+               int64_t H) {
+  for (int64_t r = 0; r < M; ++r) {
+    if (m2[r] == kNegInf) continue;  // nothing visible there: nothing to add
+    const float top = std::max(m[r], m2[r]);
+    const float old_scale = m[r] == kNegInf ? 0.0f : std::exp(m[r] - top), new_scale = std::exp(m2[r] - top);
+    l[r] = l[r] * old_scale + l2[r] * new_scale;
+    for (int64_t h = 0; h < H; ++h) o[r * H + h] = o[r * H + h] * old_scale + o2[r * H + h] * new_scale;
+    m[r] = top;
+  }
+}
+
+// The statistics of group (b, k)'s rows over positions [s0, s1) into (m, l, o), a chunk at a
+// time. Scratch is per thread, so memory stays bounded whatever the batch and context.
+void RangeStats(const Shape& d, const float* q, const float* keys, const float* values, const bool* mask, int64_t b,
+                int64_t k, int64_t s0, int64_t s1, float* m, float* l, float* o) {
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<const bool*> seen;
+  const int64_t M = d.M, MH = d.M * d.H;
+  scratch.resize(M * kChunk + 2 * M + MH);
+  seen.resize(M);
+  float* scores = scratch.data();
+  float *cm = scores + M * kChunk, *cl = cm + M, *co = cl + M;
+  std::fill(m, m + M, kNegInf), std::fill(l, l + M, 0.0f), std::fill(o, o + MH, 0.0f);
+  for (int64_t s = s0; s < s1; s += kChunk) {
+    ChunkStats(d, q, keys, values, mask, b, k, s, std::min(s + kChunk, s1), cm, cl, co, scores, seen.data());
+    MergeInto(m, l, o, cm, cl, co, M, d.H);
+  }
+}
+
 ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
                            ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> m_out,
                            ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> o_out) {
@@ -198,52 +231,37 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     return ffi::Error::InvalidArgument("dayzero_cached_attention: shapes disagree (q[B,K,G*T,H], keys[B,K,H,S], "
                                        "values[B,K,S,H], mask[B,T,S])");
   const bool* mp = reinterpret_cast<const bool*>(mask.typed_data());
-  // Work items: (b, k, chunk) over each b's visible range; a b that sees nothing gets one empty
-  // item (its statistics are the empty ones).
-  std::vector<int64_t> item_b, item_k, item_s0, item_s1;
+  const int64_t groups = d.B * d.K, M = d.M, MH = d.M * d.H;
+  std::vector<int64_t> lo(d.B), hi(d.B);
   int64_t positions = 0;
-  for (int64_t b = 0; b < d.B; ++b) {
-    int64_t lo, hi;
-    VisibleRange(d, mp, b, &lo, &hi);
-    positions += hi - lo;
-    for (int64_t k = 0; k < d.K; ++k) {
-      int64_t s = lo;
-      do {
-        item_b.push_back(b), item_k.push_back(k), item_s0.push_back(s), item_s1.push_back(std::min(s + kChunk, hi));
-        s += kChunk;
-      } while (s < hi);
-    }
-  }
-  const int64_t items = static_cast<int64_t>(item_b.size()), MH = d.M * d.H;
-  std::vector<float> im(items * d.M), il(items * d.M), io(items * MH), scores(items * d.M * kChunk);
-  std::vector<const bool*> seen(items * d.M);
+  for (int64_t b = 0; b < d.B; ++b) VisibleRange(d, mp, b, &lo[b], &hi[b]), positions += hi[b] - lo[b];
+  // Work items: each group's range cut into ``parts`` pieces, enough for every thread to have two
+  // when the groups are few (one sequence's decode: its few key heads), at least a chunk each.
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  const int64_t longest = *std::max_element(hi.begin(), hi.end()) - *std::min_element(lo.begin(), lo.end());
+  const int64_t most = std::max<int64_t>(longest / kChunk, 1);
+  const int64_t parts = std::clamp<int64_t>((2 * threads + groups - 1) / groups, 1, most);
+  const int64_t items = groups * parts;
+  std::vector<float> im(items * M), il(items * M), io(items * MH);
   // A few hundred positions stay on the calling thread: a hand-off costs more than the work.
   const int64_t workers = positions * d.K < kMinParallelKeys ? 1 : items;
   dayzero::ParallelFor(pool, items, workers, [&](int64_t i) {
-    ChunkStats(d, q.typed_data(), keys.typed_data(), values.typed_data(), mp, item_b[i], item_k[i], item_s0[i],
-               item_s1[i], im.data() + i * d.M, il.data() + i * d.M, io.data() + i * MH,
-               scores.data() + i * d.M * kChunk, seen.data() + i * d.M);
+    const int64_t g = i / parts, part = i % parts, b = g / d.K, span = hi[b] - lo[b];
+    // Piece boundaries on chunk multiples from lo, so a piece's chunks are whole where they can be.
+    const int64_t chunks = (span + kChunk - 1) / kChunk;
+    const int64_t s0 = std::min(hi[b], lo[b] + chunks * part / parts * kChunk);
+    const int64_t s1 = std::min(hi[b], lo[b] + chunks * (part + 1) / parts * kChunk);
+    RangeStats(d, q.typed_data(), keys.typed_data(), values.typed_data(), mp, b, g % d.K, s0, s1, im.data() + i * M,
+               il.data() + i * M, io.data() + i * MH);
   });
-  // Merge the items of each group, in order, rescaled to the group's maximum.
+  // Merge each group's pieces in order.
   float* m = m_out->typed_data();
   float* l = l_out->typed_data();
   float* o = o_out->typed_data();
-  std::fill(m, m + d.B * d.K * d.M, kNegInf);
-  std::fill(l, l + d.B * d.K * d.M, 0.0f);
-  std::fill(o, o + d.B * d.K * MH, 0.0f);
+  std::fill(m, m + groups * M, kNegInf), std::fill(l, l + groups * M, 0.0f), std::fill(o, o + groups * MH, 0.0f);
   for (int64_t i = 0; i < items; ++i) {
-    const int64_t g = item_b[i] * d.K + item_k[i];
-    for (int64_t r = 0; r < d.M; ++r) {
-      const float mi = im[i * d.M + r], mg = m[g * d.M + r];
-      if (mi == kNegInf) continue;
-      const float top = std::max(mg, mi);
-      const float old_scale = mg == kNegInf ? 0.0f : std::exp(mg - top), new_scale = std::exp(mi - top);
-      l[g * d.M + r] = l[g * d.M + r] * old_scale + il[i * d.M + r] * new_scale;
-      float* og = o + (g * d.M + r) * d.H;
-      const float* oi = io.data() + i * MH + r * d.H;
-      for (int64_t h = 0; h < d.H; ++h) og[h] = og[h] * old_scale + oi[h] * new_scale;
-      m[g * d.M + r] = top;
-    }
+    const int64_t g = i / parts;
+    MergeInto(m + g * M, l + g * M, o + g * MH, im.data() + i * M, il.data() + i * M, io.data() + i * MH, M, d.H);
   }
   return ffi::Error::Success();
 }

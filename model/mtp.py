@@ -1,11 +1,12 @@
-"""DeepSeek-V3's multi-token-prediction (next-n) module: its weights and its forward pass.
+"""The multi-token-prediction (next-n) module of DeepSeek-V3, Kimi-K2 and GLM-4.5/4.6/4.7: its
+weights and its forward pass.
 
 The checkpoint stores ``num_nextn_predict_layers`` modules as layers ``num_hidden_layers`` and up
 (``model.layers.61.*`` in the release). One module turns the main model's last hidden state at
 position i and the token at i + 1 into a prediction of the token at i + 2:
 
     x   = eh_proj(concat(enorm(embed(t[i+1])), hnorm(h[i])))      # [2D] -> [D], embedding first
-    out = decoder_layer(x)                                         # MLA + MoE, its own cache
+    out = decoder_layer(x)                                         # attention + MoE, its own cache
     logits = head(shared_head.norm(out))
 
 ``h[i]`` is the main model's hidden state after its final norm (what HF's ``MtpModel`` takes as
@@ -38,15 +39,16 @@ from dayzero.model.rope import rope_cos_sin
 from dayzero.model.transformer import _additions, attention_masks, decoder_layer, output_logits, step_frame
 from dayzero.model.weights import IN0, Init, LayerWeights, ParamSpec, Weights, _layer_specs
 
-# The families whose MTP modules dayzero keeps and runs (GLM-4.5/5, MiniMax-M2 skip theirs).
-MTP_FAMILIES = (Family.DEEPSEEK_V3,)
+# The families whose MTP modules dayzero keeps and runs: those HF runs with its generic ``MtpModel``
+# (the oracle). GLM-5 and MiniMax-M2 skip theirs (HF has no module for them); DeepSeek-V4's are its own.
+MTP_FAMILIES = (Family.DEEPSEEK_V3, Family.KIMI_K2, Family.GLM4_MOE)
 
 
 @struct.dataclass
 class NextNWeights:
-    """One DeepSeek-V3 MTP module: ``enorm`` / ``hnorm`` [D] (RMSNorm of the next token's
-    embedding and of the main model's hidden state), ``eh_proj`` [2D, D] (input first: the
-    embedding half, then the hidden half), one decoder ``layer`` (MLA attention, MoE block) and
+    """One MTP module: ``enorm`` / ``hnorm`` [D] (RMSNorm of the next token's embedding and of
+    the main model's hidden state), ``eh_proj`` [2D, D] (input first: the embedding half, then
+    the hidden half), one decoder ``layer`` (the main layers' attention, a MoE block) and
     ``norm`` [D] (``shared_head.norm``, before the main model's head)."""
 
     enorm: Any
@@ -58,7 +60,7 @@ class NextNWeights:
 
 def nextn_block_config(config: ModelConfig) -> ModelConfig:
     """The one-layer config whose layer 0 is an MTP module's decoder layer: attention as the
-    main layers', a MoE block (DeepSeek-V3's module sits past ``first_k_dense_replace``, and
+    main layers', a MoE block (the module sits past ``first_k_dense_replace``, and
     HF's ``get_mtp_config`` sets it to 0 for the modules). Its specs, name map and cache come
     from this config, through the builders of the main layers."""
     if config.family not in MTP_FAMILIES:

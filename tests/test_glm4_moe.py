@@ -6,9 +6,10 @@ biases; half of each 32-wide head rotated) goes through the real converter. As i
 (a) logits of a 200-token prompt match HF's; (b) 32 greedy tokens through ``Engine.generate`` are
 HF's; (c) prefill + one-token decode steps reproduce one full forward. Also: the experts each MoE
 layer picks on HF's own hidden states are HF's, with HF's weights; partial RoPE against HF's
-``apply_rotary_pos_emb``; the paged ``ServingEngine`` and ``dayzero verify``; the MTP layer's
-tensors skipped (and counted by ``dayzero check``); strict config parsing. The 8-device mesh check
-is tests/mesh_checks.py ``part_glm`` (the ``glm`` cases of tests/test_mesh_engine.py).
+``apply_rotary_pos_emb``; the paged ``ServingEngine`` and ``dayzero verify``; a partial MTP
+layer refused (the whole one: tests/test_speculative_mtp_glm.py); strict config parsing. The
+8-device mesh check is tests/mesh_checks.py ``part_glm`` (the ``glm`` cases of
+tests/test_mesh_engine.py).
 
 Default suite (~30 s here): the fixture, (a), the router checks, RoPE at factor 0.5, verify, the
 converter and config checks. Slow (``-m slow``; each compiles steps of its own, 15-30 s): (b),
@@ -239,16 +240,13 @@ def _add_layer(index: int):
     return lambda t: t.update({f"model.layers.{index}.eh_proj.weight": torch.zeros(64, 128)})
 
 
-def test_mtp_layer_is_skipped_explicitly_and_others_refused(case, tmp_path):
-    """Layer num_layers (num_nextn_predict_layers=1, HF's default) is not converted, as HF's
-    Glm4MoeForCausalLM drops it; ``dayzero check`` lists it as ignored; layer num_layers + 1 is
-    refused by name."""
-    from dayzero.convert.check import check_source
-
+def test_partial_mtp_layer_and_layers_past_it_are_refused(case, tmp_path):
+    """Layer num_layers holds the MTP module (num_nextn_predict_layers=1, HF's default), which is
+    converted whole when present (tests/test_speculative_mtp_glm.py): a source with only part of
+    it is refused naming a missing tensor of it; layer num_layers + 1 is refused by name."""
     src = copy_hf_checkpoint(case.root / "hf", tmp_path / "mtp", tensors_edit=_add_layer(2))
-    report = check_source(src)
-    assert report.structure["ignored"] == ["model.layers.2.eh_proj.weight"] and not report.structure["unexpected"]
-    convert_checkpoint(src, tmp_path / "dz", progress=False)
+    with pytest.raises(ConvertError, match=r"no tensor 'model\.layers\.2\."):
+        convert_checkpoint(src, tmp_path / "dz", progress=False)
     bad = copy_hf_checkpoint(case.root / "hf", tmp_path / "extra", tensors_edit=_add_layer(3))
     with pytest.raises(ConvertError, match=r"model\.layers\.3\.eh_proj\.weight"):
         convert_checkpoint(bad, tmp_path / "dz2", progress=False)

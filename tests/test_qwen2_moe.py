@@ -39,12 +39,15 @@ SEED = 0
 
 
 def build_hf_qwen2_moe(seed: int, **changes):
-    """A tiny random HF Qwen2Moe model in fp32 with random norms (HF's ones would hide a mix-up)."""
+    """A tiny random HF Qwen2Moe model in fp32 with random norms and q/k/v biases (HF's ones and
+    zeros would hide a mix-up: a k/v bias swap, say)."""
     model = hf_model(transformers.Qwen2MoeConfig(**{**COMMON, **changes}), seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.1)
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.1)
     return model
 
 

@@ -1,5 +1,6 @@
 """Speculative decoding with DeepSeek-V3's own multi-token-prediction module (model/mtp.py,
-engine/mtp_drafter.py): the module's math, its conversion, lossless generation, the refusals.
+engine/mtp_drafter.py): the module's math, its conversion (also under Kimi-K2's model_type),
+lossless generation, the refusals. GLM-4.5's module: tests/test_speculative_mtp_glm.py.
 
 Oracles:
 - HF transformers' ``MtpModel`` (the generic MTP module its DeepSeek-V3 drafts with, built on the
@@ -245,6 +246,24 @@ def test_conversion_keeps_the_module(hf_mtp, tmp_path):
     assert not config.mtp_kept and config.mtp_layers == 1
     with pytest.raises(SpeculativeError, match="converted without its multi-token-prediction layers"):
         Engine.load(tmp_path / "plain_dz", progress=False).generate([1, 2, 3], speculative=SpecConfig("mtp"))
+
+
+def test_kimi_k2_keeps_the_same_module(hf_mtp, tmp_path):
+    """Kimi-K2 is DeepSeek-V3's architecture under its own model_type: a source with the module
+    converts it too, to the same weights and the same logits."""
+    from tests.hf_helpers import copy_hf_checkpoint
+
+    def kimi(raw):
+        raw.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+
+    src = copy_hf_checkpoint(hf_mtp.hf_dir, tmp_path / "kimi", kimi)
+    config, weights = load_checkpoint(convert_checkpoint(src, tmp_path / "dz", progress=False), dtype=jnp.float32)
+    assert config.family.value == "kimi_k2" and config.mtp_kept
+    for a, b in zip(jax.tree_util.tree_leaves(weights.mtp), jax.tree_util.tree_leaves(hf_mtp.weights.mtp)):
+        np.testing.assert_array_equal(a, b)
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, config.vocab_size, (1, 16)), jnp.int32)
+    np.testing.assert_array_equal(_module_logits(weights, config, ids),
+                                  _module_logits(hf_mtp.weights, hf_mtp.config, ids))
 
 
 @pytest.mark.slow
