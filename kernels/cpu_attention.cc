@@ -93,7 +93,8 @@ void ValueBlock(const float* p, const float* values, const bool* const* seen, fl
     for (int r = 0; r < kRows; ++r) {
       if (!seen[r][j]) continue;  // never read a hidden value: 0 * NaN would be NaN
       const __m512 pv = _mm512_set1_ps(p[r * n + j]);
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(values + j * H + 16 * c), acc[r][c]);
+      for (int c = 0; c < kVecs; ++c)
+        acc[r][c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(values + j * H + 16 * c), acc[r][c]);
     }
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(o + r * H + 16 * c, acc[r][c]);
@@ -224,7 +225,8 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> o_out) {
   const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), md = mask.dimensions();
   if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
-    return ffi::Error::InvalidArgument("dayzero_cached_attention: needs q[B,K,M,H], keys[B,K,H,S], values[B,K,S,H], mask[B,T,S]");
+    return ffi::Error::InvalidArgument(
+        "dayzero_cached_attention: needs q[B,K,M,H], keys[B,K,H,S], values[B,K,S,H], mask[B,T,S]");
   const Shape d{qd[0], qd[1], qd[2], qd[3], kd[3], md[1]};
   if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K || vd[2] != d.S || vd[3] != d.H ||
       md[0] != d.B || md[2] != d.S || d.T <= 0 || d.M % d.T)

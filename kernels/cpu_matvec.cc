@@ -170,22 +170,35 @@ void RowsF32(const float* x, const float* __restrict w, float* __restrict acc, i
 // Sums parts of w's rows (ranges whose boundaries are multiples of ``align`` rows, each summed
 // into its own partial by ``rows``) on the pool and the calling thread into y[M,N], times
 // ``column_scale`` (per column; none for int4, whose parts are scaled per group and ``split``: in
-// SplitColumn's order).
+// SplitColumn's order). Where neither applies (float32) the first part sums into y itself.
 void Run(ffi::ThreadPool pool, std::function<void(float*, int64_t, int64_t)> rows, const float* column_scale,
          float* y, int64_t M, int64_t K, int64_t N, int64_t align, bool split) {
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
   // Small products stay on the calling thread: a hand-off costs more than the work.
   const int64_t parts = (K * N < (1 << 16) || K < 2 * kRows) ? 1 : std::min<int64_t>(threads, K / kRows);
   const int64_t MN = M * N;
-  std::vector<float> partial(parts * MN, 0.0f);
+  const bool direct = !split && column_scale == nullptr;
+  std::vector<float> partial((parts - direct) * MN, 0.0f);
+  if (direct) std::fill(y, y + MN, 0.0f);
+  auto sums = [&](int64_t p) {  // where part p sums
+    return direct ? (p == 0 ? y : partial.data() + (p - 1) * MN) : partial.data() + p * MN;
+  };
   auto bound = [=](int64_t p) { return p == parts ? K : (K * p / parts) / align * align; };
-  dayzero::ParallelFor(pool, parts, parts, [&](int64_t p) { rows(partial.data() + p * MN, bound(p), bound(p + 1)); });
-  for (int64_t i = 0; i < MN; ++i) {
-    float sum = 0;
-    for (int64_t p = 0; p < parts; ++p) sum += partial[p * MN + i];
-    const int64_t row = i / N, column = split ? SplitColumn(i % N, N) : i % N;
-    y[row * N + column] = column_scale == nullptr ? sum : sum * column_scale[column];
+  dayzero::ParallelFor(pool, parts, parts, [&](int64_t p) { rows(sums(p), bound(p), bound(p + 1)); });
+  if (direct) {  // y holds part 0's sums: add the others'
+    for (int64_t p = 1; p < parts; ++p) {
+      const float* part = sums(p);
+      for (int64_t i = 0; i < MN; ++i) y[i] += part[i];
+    }
+    return;
   }
+  for (int64_t row = 0; row < M; ++row)  // by row and column: no division per element
+    for (int64_t n = 0; n < N; ++n) {
+      float sum = 0;
+      for (int64_t p = 0; p < parts; ++p) sum += partial[p * MN + row * N + n];
+      const int64_t column = split ? SplitColumn(n, N) : n;
+      y[row * N + column] = column_scale == nullptr ? sum : sum * column_scale[column];
+    }
 }
 
 ffi::Error MatvecI8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> scale,

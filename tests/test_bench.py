@@ -7,6 +7,7 @@ import json
 import pytest
 
 from dayzero.engine.cli import main
+from dayzero.tools.measure import interleaved_speeds
 from dayzero.tools.roofline import read_bandwidth, roofline
 from dayzero.tools.soak import soak
 
@@ -64,6 +65,24 @@ def test_hf_peer_runs_in_the_same_process_and_reports_ratios(tiny_model, capsys)
     row = out["runs"][0]
     assert {"ttft_s", "prefill_tok_s", "decode_tok_s"} <= row["hf"].keys()
     assert row["ratio_hf"]["decode_tok_s"] == pytest.approx(row["decode_tok_s"] / row["hf"]["decode_tok_s"])
+
+
+def test_peers_run_round_by_round_with_dayzero():
+    """Each implementation is warmed up, then the repeats alternate (a, b, a, b, ...), and each
+    figure is its own best: what makes two implementations sample the same stretch of a drifting
+    machine."""
+    calls = []
+
+    def runner(name, timings):
+        it = iter(timings)
+        return lambda: calls.append(name) or next(it)
+
+    runs = {"a": (runner("a", [(9.0, 9.0), (1.0, 3.0), (2.0, 1.5)]), [[1] * 10]),
+            "b": (runner("b", [(9.0, 9.0), (4.0, 2.0), (3.0, 5.0)]), [[1] * 10] * 2)}
+    out = interleaved_speeds(runs, new_tokens=4, repeats=2)
+    assert calls == ["a", "b", "a", "b", "a", "b"]
+    assert out["a"] == {"ttft_s": 1.0, "prefill_tok_s": 10.0, "decode_tok_s": 2.0}
+    assert out["b"] == {"ttft_s": 3.0, "prefill_tok_s": 20 / 3, "decode_tok_s": 3.0}
 
 
 def test_soak_decodes_to_the_context_without_recompiling_or_growing(tiny_engine):

@@ -1,8 +1,9 @@
 """``dayzero bench``: time to first token, prefill and decode throughput, compile time, memory.
 
 Sweeps prompt lengths and batch sizes (``--prompt-len 128,512,2048 --batch 1,8``). Peers run
-the same prompts in the same process right after (``--vs-hf``, ``--vs-llamacpp``) and the
-ratios are printed: these machines are shared and noisy, so only side-by-side ratios mean much.
+the same prompts in the same process (``--vs-hf``, ``--vs-llamacpp``), repeat by repeat in turn
+with dayzero (``measure.interleaved_speeds``), and the ratios are printed: these machines are
+shared and noisy, so only side-by-side ratios mean much.
 For the same reason the machine's read bandwidth is measured in the same run
 (``dayzero.tools.roofline``), and each row reports the fraction of the decode roofline it reached
 (``roofline``: bytes read per step over that bandwidth).
@@ -19,7 +20,7 @@ import jax
 
 from dayzero.tools import peers
 from dayzero.tools.roofline import read_bandwidth, roofline, weight_bytes_per_step
-from dayzero.tools.measure import bench_prompt, device_peak_mb, peak_rss_mb, rss_mb, timed_speeds
+from dayzero.tools.measure import bench_prompt, device_peak_mb, interleaved_speeds, peak_rss_mb, rss_mb
 from dayzero.engine.sampling import SamplingParams
 from dayzero.model.quant import KVQuant, describe_weights, stored_bytes
 from dayzero.model.cache import init_cache
@@ -30,8 +31,11 @@ class BenchError(ValueError):
     """Bad benchmark options."""
 
 
-def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
-    """Measure dayzero on ``prompts`` (best of ``repeats`` after a compiling warm-up).
+def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int,
+                 peers_runs: dict | None = None) -> dict[str, float]:
+    """Measure dayzero on ``prompts`` (best of ``repeats`` after a compiling warm-up), with any
+    ``peers_runs`` (name -> ``(run, prompts)``, as :func:`~dayzero.tools.measure.interleaved_speeds`
+    takes them) measured round by round beside it; their speeds come back under their names.
 
     Time to first token is prefill + first sample; decode rate is between first and last token.
     """
@@ -45,8 +49,10 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int
             first = first or time.perf_counter()
         return first - start, time.perf_counter() - first
 
+    measured = interleaved_speeds({"dayzero": (run, prompts), **(peers_runs or {})}, new_tokens, repeats)
     return {
-        **timed_speeds(run, prompts, new_tokens, repeats),
+        **measured.pop("dayzero"),
+        **measured,
         "compile_s": engine.compile_s - compile_before,
         "rss_mb": rss_mb(),
         "peak_rss_mb": peak_rss_mb(),
@@ -90,15 +96,15 @@ def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[in
         for batch in batches:
             prompts = bench_prompt(engine.config.vocab_size, prompt_len, batch, engine.eos_ids)
             row = {"prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
-            row.update(bench_engine(engine, prompts, args.new_tokens, args.repeats))
+            # Peers run round by round with dayzero (interleaved_speeds); llama-cpp-python's API
+            # runs one sequence, so it sits out batches.
+            peer_runs = {name: (peer.runner(prompts, args.new_tokens), prompts if name != "llamacpp" else prompts[:1])
+                         for name, peer in peer_map.items() if not (name == "llamacpp" and batch > 1)}
+            row.update(bench_engine(engine, prompts, args.new_tokens, args.repeats, peer_runs))
             if bandwidth is not None:
                 row["roofline"] = decode_roofline(engine, row, bandwidth)
-            for name, peer in peer_map.items():
-                if name == "llamacpp" and batch > 1:
-                    continue  # llama-cpp-python's API runs one sequence
-                measured = peer.measure(prompts, args.new_tokens, args.repeats)
-                row[name] = measured
-                row[f"ratio_{name}"] = ratios(row, measured)
+            for name in peer_runs:
+                row[f"ratio_{name}"] = ratios(row, row[name])
             runs.append(row)
     return runs
 

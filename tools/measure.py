@@ -27,8 +27,26 @@ def timed_speeds(run, prompts: list[list[int]], new_tokens: int, repeats: int) -
     each figure (the least disturbed by other load on a shared machine). Measuring both inside
     one run avoids subtracting two long runs, which is noise-dominated when prefill is long.
     """
-    run()
-    timings = [run() for _ in range(repeats)]
+    return interleaved_speeds({"run": (run, prompts)}, new_tokens, repeats)["run"]
+
+
+def interleaved_speeds(runs: dict, new_tokens: int, repeats: int) -> dict[str, dict[str, float]]:
+    """:func:`timed_speeds` of several implementations side by side: ``runs`` maps a name to
+    ``(run, prompts)``. Each is warmed up, then the repeats go round by round (one run of each per
+    round), so every implementation samples the same stretch of time: this host's memory
+    bandwidth drifts by a third over seconds, which made a whole block of one implementation's
+    repeats, then the other's, compare different machines."""
+    timings = {name: [] for name in runs}
+    for run, _ in runs.values():
+        run()
+    for _ in range(repeats):
+        for name, (run, _) in runs.items():
+            timings[name].append(run())
+    return {name: _best_speeds(timings[name], prompts, new_tokens) for name, (_, prompts) in runs.items()}
+
+
+def _best_speeds(timings: list[tuple[float, float]], prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """TTFT, prefill and decode speed from the best of ``timings`` [(ttft_s, decode_s)]."""
     ttft = min(t for t, _ in timings)
     decode = min(d for _, d in timings)
     batch, prompt_len = len(prompts), len(prompts[0])
