@@ -30,7 +30,8 @@ Drafting: one batched step writes each drafting row's pending entries (T = K+1, 
 returns the module's output at the last, entry L-1 of a row of L computed positions; then
 ``mtp_drafter.mtp_chain`` draws the K drafts (each from q, the module's distribution after the
 row's temperature and filters: greedy rows take its argmax) on a contiguous copy of the rows'
-pages (gathered as the reference attention gathers them), which is dropped: the chain's entries
+pages (gathered as the reference attention gathers them; a per-head module's keys, GLM-4.5's,
+turned to the contiguous cache's dim-major layout), which is dropped: the chain's entries
 are never kept and nothing rolls back. Accepted positions get their entries from the verify
 step's hidden states.
 
@@ -54,23 +55,15 @@ from dayzero.engine.mtp_drafter import mtp_chain, mtp_entries
 from dayzero.engine.paged_steps import _STEPS, PagedSteps, RowParams, _append
 from dayzero.engine.sampling import RowSampling, SamplingMode
 from dayzero.engine.serving_draft import SidePool
-from dayzero.engine.speculative import mtp_refusal
-from dayzero.model.cache import LatentCache
+from dayzero.model.cache import KVCache, LatentCache
 from dayzero.model.config import ModelConfig
 from dayzero.model.kernel_attention import gathered
 from dayzero.model.mtp import nextn_block_config
+from dayzero.model.paged_cache import PagedKVCache
+from dayzero.model.quant import QuantizedArray
 
 if TYPE_CHECKING:
     from dayzero.engine.serving import ServingEngine, _Request
-
-
-def mtp_serving_refusal(config: ModelConfig) -> str | None:
-    """Why a serving engine cannot draft with this model's MTP module (None: it can)."""
-    reason = mtp_refusal(config)
-    if reason is None and config.mla is None:  # GLM-4.5's module (GQA): Engine.generate only
-        reason = ("serving drafts with an MTP module over latent attention (MLA: DeepSeek-V3, Kimi-K2) only; "
-                  "use --speculative ngram")
-    return reason
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -96,10 +89,23 @@ def _chain(weights, logits, out, view, active, temperature, top_k, top_p, min_p,
     """``mtp_chain`` on a contiguous copy of the rows' pages of the module's pool ``view``."""
     rows = RowSampling(temperature, top_k, top_p, min_p, jax.random.wrap_key_data(keys))
     tables = view.block_tables
-    keys_ = None if view.index_key_pages is None else tuple(gathered(p, tables) for p in view.index_key_pages)
-    cache = LatentCache(latent=tuple(gathered(p, tables) for p in view.latent_pages), lengths=view.lengths,
-                        rope_len=view.rope_len, index_keys=keys_)
+    if isinstance(view, PagedKVCache):  # a per-head module (GLM-4.5): keys as the contiguous cache holds them
+        cache = KVCache(k=tuple(_dim_major(gathered(p, tables)) for p in view.k_pages),
+                        v=tuple(gathered(p, tables) for p in view.v_pages), lengths=view.lengths,
+                        rope_len=view.rope_len)
+    else:
+        keys_ = None if view.index_key_pages is None else tuple(gathered(p, tables) for p in view.index_key_pages)
+        cache = LatentCache(latent=tuple(gathered(p, tables) for p in view.latent_pages), lengths=view.lengths,
+                            rope_len=view.rope_len, index_keys=keys_)
     return mtp_chain(weights, logits, out, cache, active, rows, steps, config=config, mode=mode, K=K)
+
+
+def _dim_major(keys):
+    """Gathered token-major keys [B,K,S,H] (plain or quantized per token and head) as the
+    contiguous cache's [B,K,H,S]: the chain appends its drafts' entries to a ``KVCache``."""
+    if isinstance(keys, QuantizedArray):
+        return keys.replace(values=keys.values.swapaxes(2, 3), scale=keys.scale.swapaxes(2, 3), in_axes=(2,))
+    return keys.swapaxes(2, 3)
 
 
 class MTPPool(SidePool):

@@ -34,7 +34,8 @@ from dayzero.engine.draft_model import draft_refusal
 from dayzero.engine.generate import Engine, GenerationError
 from dayzero.engine.paged_steps import _STEPS, RowParams, Sampled, _pinned, sampling_mode
 from dayzero.engine.sampling import RowSampling, SamplingMode
-from dayzero.engine.speculative import DraftKind, SpecConfig, accept_drafts, ngram_draft, speculative_refusal
+from dayzero.engine.speculative import (DraftKind, SpecConfig, accept_drafts, mtp_refusal, ngram_draft,
+                                        speculative_refusal)
 
 if TYPE_CHECKING:
     from dayzero.engine.serving import ServingEngine, _Request
@@ -53,9 +54,7 @@ def check_serving_speculation(spec, model, run) -> None:
         # (a hybrid, DeepSeek-V4), on a mesh or on the kernels is refused there.
         reason = draft_refusal(spec.draft, model)
     if reason is None and spec.kind is DraftKind.MTP:  # a model with a kept MTP module
-        from dayzero.engine.serving_mtp import mtp_serving_refusal
-
-        reason = mtp_serving_refusal(model)
+        reason = mtp_refusal(model)
     if reason is not None:
         raise GenerationError(reason)
 

@@ -108,7 +108,9 @@ def nextn_forward(w: NextNWeights, weights: Weights, config: ModelConfig, tokens
     both = jnp.concatenate([embedded, normed], axis=-1)
     x = jnp.einsum("btc,cd->btd", both, dequantized(w.eh_proj, both.dtype))
     layer_cache = None if cache is None else cache.layer(0, after=x)
-    x, added, _ = decoder_layer(w.layer, block, x, cos_sin, layer_cache, masks, tokens=tokens)
+    token_major = cache is not None and cache.keys_token_major  # a paged view's gathered keys
+    x, added, _ = decoder_layer(w.layer, block, x, cos_sin, layer_cache, masks, keys_token_major=token_major,
+                                tokens=tokens)
     return x, _additions(block, cache, [added], num_new, rope_len)
 
 

@@ -4,8 +4,9 @@ over grouped-query attention with q/k/v biases, q/k norms and partial RoPE.
 
 Oracle: HF transformers' generic ``MtpModel`` built on an HF Glm4Moe main model (as HF's own
 ``generate(use_mtp=True)`` builds it): the converted module's logits over a 64-token prompt are
-its. Greedy speculative output through ``Engine.generate`` is the plain engine's; the paged
-server refuses the module (its MTP pool is latent-attention only), in one line.
+its. Greedy speculative output through ``Engine.generate`` and through the paged server (the
+module on its own page pool, float and int8 KV) is plain greedy output, and the server's drafts
+are ``generate``'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import transformers
 
 from dayzero.convert import convert_checkpoint, load_checkpoint
-from dayzero.engine import Engine, GenerationError, ServingConfig, ServingEngine
+from dayzero.engine import Engine, ServingConfig, mtp_drafter, serving_mtp
 from dayzero.engine.speculative import SpecConfig
 from dayzero.model.config import AttentionKind, Family
 from tests.hf_helpers import assert_logits_match, copy_hf_checkpoint
@@ -86,15 +87,48 @@ def test_module_logits_match_hf(glm_mtp):
     assert_logits_match(np.asarray(_module_logits(w, c, jnp.asarray(ids, jnp.int32))), ref, "GLM MTP module")
 
 
-def test_greedy_is_lossless_and_serving_refuses(glm_mtp):
-    """The converted (random) module drafts through ``Engine.generate``: the output is plain
-    greedy output. The paged server's MTP pool is built for latent attention: refused, in one line."""
-    engine = Engine(glm_mtp.config, glm_mtp.weights, kernels="reference")
-    prompts = _repetitive_prompts(glm_mtp.config.vocab_size)[:2]
-    plain = engine.generate(prompts, max_new_tokens=8, ignore_eos=True)
-    fast = engine.generate(prompts, max_new_tokens=8, ignore_eos=True, speculative=SpecConfig("mtp", num_draft_tokens=3))
-    assert [f.token_ids for f in fast] == [p.token_ids for p in plain]
-    assert all(f.speculation.drafted > 0 for f in fast)
-    with pytest.raises(GenerationError, match="latent attention") as raised:
-        ServingEngine(engine, ServingConfig(slots=2, page_size=8, max_context=64, speculative=SpecConfig("mtp")))
-    assert "\n" not in str(raised.value)
+@pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
+@pytest.mark.parametrize("kv_cache", ["none", pytest.param("int8", marks=pytest.mark.slow)])
+def test_served_drafts_are_generates_and_lossless(glm_mtp, kv_cache, monkeypatch):
+    """``Engine.generate`` and the paged server draft with the module (the server on a page pool
+    of its own: per-head keys and values, gathered for the chain and turned to the contiguous
+    cache's layout; with an int8 cache the scales turn with them): both give plain greedy
+    output, and every served proposal equals ``generate``'s for the same request after the same
+    number of tokens (a random module's drafts are rarely accepted, so the output alone could not
+    show a wrong layout)."""
+    from tests.test_serving_draft import _serve
+
+    engine = Engine(glm_mtp.config, glm_mtp.weights, kv_cache=kv_cache, kernels="reference")
+    prompts = _repetitive_prompts(glm_mtp.config.vocab_size)[:3]
+    news = [10, 7, 9]
+    spec = SpecConfig("mtp", num_draft_tokens=3)
+    generated, served = [], []
+    serve_propose, generate_propose = serving_mtp.MTPPool.propose, mtp_drafter.MTPDrafter.propose
+
+    def recorded_serve(self, decoding, counts):
+        drafts, counts_, q = serve_propose(self, decoding, counts)
+        served.append(([r.id for r in decoding], [r.generated for r in decoding], counts.copy(), drafts.copy()))
+        return drafts, counts_, q
+
+    def recorded_generate(self, active, produced, k):
+        drafts, q = generate_propose(self, active, produced, k)
+        generated.append((produced.copy(), active.copy(), np.asarray(drafts).copy()))
+        return drafts, q
+
+    monkeypatch.setattr(serving_mtp.MTPPool, "propose", recorded_serve)
+    monkeypatch.setattr(mtp_drafter.MTPDrafter, "propose", recorded_generate)
+    plain = [c.token_ids for c in engine.generate(prompts, max_new_tokens=max(news), ignore_eos=True)]
+    drafted = engine.generate(prompts, max_new_tokens=max(news), ignore_eos=True, speculative=spec)
+    assert [c.token_ids for c in drafted] == plain and all(c.speculation.drafted > 0 for c in drafted)
+    tight = ServingConfig(slots=2, page_size=8, max_context=64, num_pages=12, max_chunk=16, speculative=spec)
+    fast, server = _serve(engine, tight, prompts, news)
+    assert [f.token_ids for f in fast] == [p[:n] for p, n in zip(plain, news)]
+    want = {(b, int(p[b])): d[b] for p, a, d in generated for b in range(len(prompts)) if a[b]}
+    compared = 0
+    for ids, steps, counts, drafts in served:
+        for row, (i, g) in enumerate(zip(ids, steps)):
+            n = int(counts[row])
+            if n and (i, g) in want:
+                assert drafts[row, :n].tolist() == want[i, g][:n].tolist(), (i, g)
+                compared += 1
+    assert compared >= 5 and server.stats.spec_drafted > 0, compared
