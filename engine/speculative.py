@@ -5,9 +5,9 @@ checks them all, and the accepted ones (plus one more token of the target's own)
   the sequence so far (``max_n`` tokens down to ``min_n``) that occurred before in the prompt or
   the generated text proposes the tokens that followed its latest occurrence; a small draft
   model sharing the tokenizer (``dayzero.engine.draft_model``), whose own distribution q each
-  draft is drawn from; or the model's own multi-token-prediction module (DeepSeek-V3's, Kimi-K2's or GLM-4.5's
-  ``num_nextn_predict_layers``, ``dayzero.engine.mtp_drafter``), fed the target's hidden states
-  (the verify step returns them), its distribution q likewise.
+  draft is drawn from; or the model's own multi-token-prediction module (the
+  ``num_nextn_predict_layers`` of DeepSeek-V3, Kimi-K2 or GLM-4.5; ``dayzero.engine.mtp_drafter``),
+  fed the target's hidden states (the verify step returns them), its distribution q likewise.
 - The verify step (:func:`verify_step`) feeds each row's last emitted token and its K drafts
   through the contiguous-cache forward at once (T = K+1, padded; one compile per cache bucket)
   and gets K+1 rows of logits. :func:`accept_drafts` then applies the acceptance rule: greedy

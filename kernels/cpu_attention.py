@@ -2,11 +2,12 @@
 
 Why: on XLA:CPU, ``model.transformer.attend`` reads the cache in blocks (``cache.fold_blocks``),
 and each block is a copy of keys and values (a ``dynamic-slice``, a zeroing ``select``) before
-two small batched matmuls and half a dozen elementwise ops, each a separate thunk. At SmolLM2's
-shapes that was about a tenth of an fp32 decode step after a 128-token prompt and more after
-2048. ``cpu_attention.cc`` reads the visible positions of the cache where they lie and returns
-the softmax statistics (m, l, o) of the queries over them, which ``attend`` merges with those of
-the new keys (``kernels.tiles.merge_stats``), as it merges its blocks.
+two small batched matmuls and half a dozen elementwise ops, each a separate thunk.
+``cpu_attention.cc`` reads the visible positions of the cache where they lie and returns the
+softmax statistics (m, l, o) of the queries over them, which ``attend`` merges with those of the
+new keys (``kernels.tiles.merge_stats``), as it merges its blocks. A SmolLM2 fp32 decode step,
+the two side by side (median of 100): 15.52 against 16.05 ms after a 128-token prompt, 18.85
+against 21.32 after 2048.
 
 It is built into the same library as the matrix-vector kernels (``kernels.cpu_matvec``: built on
 first use, where a compiler is found; ``DAYZERO_NATIVE_CPU=0`` turns both off), and taken only

@@ -99,7 +99,9 @@ def attend(
     The cache is read in blocks (``cache.fold_blocks``), only from the first to the last
     position any query may see, each block dequantized as it is read, with an online softmax
     (``dayzero.kernels.tiles.Stats``) merging the blocks and the new keys: a decode step's work
-    follows the positions written so far, not the positions allocated.
+    follows the positions written so far, not the positions allocated. On single-device CPU a
+    float32 contiguous cache under a few query tokens is read by the native kernel instead
+    (``dayzero.kernels.cpu_attention``: same statistics, no block copies).
     """
     B, T, N, H = q.shape
     K = k_new.shape[2]

@@ -154,42 +154,52 @@ def test_mirror_module_is_the_main_model_shifted_by_one(mirror):
 LAYERS = 2  # main layers of the HF model; its MTP module is stored as layer 2
 
 
+def save_with_mtp(big, root, layers: int, seed: int) -> tuple:
+    """HF's ``MtpModel`` on ``main``, the first ``layers`` layers of the HF model ``big``, with
+    ``big``'s last layer as its decoder layer and its norms and ``eh_proj`` random (``seed``);
+    saved under ``root / "hf"`` as the releases store it: the module as layer ``layers`` with
+    enorm/hnorm/eh_proj/shared_head (its decoder layer spelt as a main layer's) and copies of
+    the embedding and head. Returns (main, the MtpModel, the module's extra tensors by name, the
+    checkpoint's directory)."""
+    from transformers.modeling_layers import MtpModel
+
+    from tests.hf_helpers import copy_hf_checkpoint
+
+    big.save_pretrained(root / "big")
+    main = type(big)(type(big.config)(**{**big.config.to_dict(), "num_hidden_layers": layers})).eval()
+    main.load_state_dict({k: v for k, v in big.state_dict().items() if f"layers.{layers}." not in k})
+    mtp = MtpModel(main, 1).eval()
+    layer = mtp.layers[0]
+    layer.mtp_block.load_state_dict(big.model.layers[layers].state_dict())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in (layer.enorm.weight, layer.hnorm.weight, layer.post_norm.weight):
+            p.normal_(1.0, 0.1)
+        layer.eh_proj.weight.normal_(0.0, 0.1)
+    src = f"model.layers.{layers}."
+    extra = {src + "enorm.weight": layer.enorm.weight, src + "hnorm.weight": layer.hnorm.weight,
+             src + "eh_proj.weight": layer.eh_proj.weight, src + "shared_head.norm.weight": layer.post_norm.weight,
+             src + "shared_head.head.weight": main.lm_head.weight, src + "embed_tokens.weight": main.model.embed_tokens.weight}
+    extra = {k: v.detach().clone().contiguous() for k, v in extra.items()}
+
+    def config(raw):
+        raw.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+
+    return main, mtp, extra, copy_hf_checkpoint(root / "big", root / "hf", config, lambda t: t.update(extra))
+
+
 @pytest.fixture(scope="module")
 def hf_mtp(tmp_path_factory):
     """An HF DeepSeek-V3 main model with a random MTP module (HF's ``MtpModel``), saved as the
     release stores it (the module as layer 2 with enorm/hnorm/eh_proj/shared_head, its decoder
     layer spelt as a main layer's, and copies of the embedding and head), and converted."""
-    from transformers.modeling_layers import MtpModel
-
     from tests.test_deepseek import SEEDS, build_hf_deepseek
 
     root = tmp_path_factory.mktemp("mtp")
     # A three-layer model's last layer becomes the module's decoder layer, saved in the
     # published per-expert spelling by save_pretrained.
     big = build_hf_deepseek("q_lora", SEEDS["q_lora"], num_hidden_layers=LAYERS + 1)
-    big.save_pretrained(root / "big")
-    main_cfg = transformers.DeepseekV3Config(**{**big.config.to_dict(), "num_hidden_layers": LAYERS})
-    main = type(big)(main_cfg).eval()
-    main.load_state_dict({k: v for k, v in big.state_dict().items() if f"layers.{LAYERS}." not in k})
-    mtp = MtpModel(main, 1).eval()
-    layer = mtp.layers[0]
-    layer.mtp_block.load_state_dict(big.model.layers[LAYERS].state_dict())
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in (layer.enorm.weight, layer.hnorm.weight, layer.post_norm.weight):
-            p.normal_(1.0, 0.1)
-        layer.eh_proj.weight.normal_(0.0, 0.1)
-    src = f"model.layers.{LAYERS}."
-    extra = {src + "enorm.weight": layer.enorm.weight, src + "hnorm.weight": layer.hnorm.weight,
-             src + "eh_proj.weight": layer.eh_proj.weight, src + "shared_head.norm.weight": layer.post_norm.weight,
-             src + "shared_head.head.weight": main.lm_head.weight, src + "embed_tokens.weight": main.model.embed_tokens.weight}
-    extra = {k: v.detach().clone().contiguous() for k, v in extra.items()}
-    from tests.hf_helpers import copy_hf_checkpoint
-
-    def config(raw):
-        raw.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1)
-
-    hf_dir = copy_hf_checkpoint(root / "big", root / "hf", config, lambda t: t.update(extra))
+    main, mtp, extra, hf_dir = save_with_mtp(big, root, LAYERS, seed=5)
     convert_checkpoint(hf_dir, root / "dz", progress=False)
     config, weights = load_checkpoint(root / "dz", dtype=jnp.float32)
     return SimpleNamespace(main=main, mtp=mtp, root=root, hf_dir=hf_dir, extra=extra, config=config, weights=weights)
@@ -198,17 +208,22 @@ def hf_mtp(tmp_path_factory):
 def test_module_logits_match_hf(hf_mtp):
     """HF's MtpModel over the main model's last hidden states (after its final norm): the same
     logits over a 64-token prompt (the cache path is checked on the mirror model above)."""
+    assert_module_matches_hf(hf_mtp, "MTP module")
+
+
+def assert_module_matches_hf(case, name: str) -> None:
+    """The converted module's logits over a 64-token prompt are HF's ``MtpModel``'s over the HF
+    main model's last hidden states (``case``: a fixture's main, mtp, config and weights)."""
     from tests.hf_helpers import assert_logits_match
 
-    c, w = hf_mtp.config, hf_mtp.weights
-    ids = np.random.default_rng(3).integers(0, c.vocab_size, (1, 64))
+    ids = np.random.default_rng(3).integers(0, case.config.vocab_size, (1, 64))
     t = torch.from_numpy(ids)
     with torch.no_grad():
-        h = hf_mtp.main(t, output_hidden_states=True).hidden_states[-1]
-        x = hf_mtp.mtp.forward_layer(0, h[:, :-1], torch.arange(1, 64)[None], None, input_ids=t[:, 1:])
-        ref = hf_mtp.mtp._project_to_logits(x).numpy()
-    ids = jnp.asarray(ids, jnp.int32)
-    assert_logits_match(np.asarray(_module_logits(w, c, ids)), ref, "MTP module")
+        h = case.main(t, output_hidden_states=True).hidden_states[-1]
+        x = case.mtp.forward_layer(0, h[:, :-1], torch.arange(1, 64)[None], None, input_ids=t[:, 1:])
+        ref = case.mtp._project_to_logits(x).numpy()
+    ours = _module_logits(case.weights, case.config, jnp.asarray(ids, jnp.int32))
+    assert_logits_match(np.asarray(ours), ref, name)
 
 
 def test_conversion_keeps_the_module(hf_mtp, tmp_path):

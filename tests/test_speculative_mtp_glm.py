@@ -16,17 +16,14 @@ from types import SimpleNamespace
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 
 from dayzero.convert import convert_checkpoint, load_checkpoint
 from dayzero.engine import Engine, ServingConfig, mtp_drafter, serving_mtp
 from dayzero.engine.speculative import SpecConfig
 from dayzero.model.config import AttentionKind, Family
-from tests.hf_helpers import assert_logits_match, copy_hf_checkpoint
 from tests.test_glm4_moe import SEED, build_hf_glm
 from tests.test_speculative import _repetitive_prompts
-from tests.test_speculative_mtp import _module_logits
+from tests.test_speculative_mtp import assert_module_matches_hf, save_with_mtp
 
 LAYERS = 2  # main layers of the HF model; its MTP module is stored as layer 2 (a MoE layer)
 
@@ -36,29 +33,9 @@ def glm_mtp(tmp_path_factory):
     """An HF Glm4Moe main model with a random MTP module (HF's ``MtpModel``), saved as GLM-4.5
     stores it (layer 2 with enorm/hnorm/eh_proj/shared_head, its decoder layer spelt as a main
     layer's, copies of the embedding and head), and converted."""
-    from transformers.modeling_layers import MtpModel
-
     root = tmp_path_factory.mktemp("glm_mtp")
     big = build_hf_glm(SEED, num_hidden_layers=LAYERS + 1)  # its last layer becomes the module's
-    big.save_pretrained(root / "big")
-    main = type(big)(transformers.Glm4MoeConfig(**{**big.config.to_dict(), "num_hidden_layers": LAYERS})).eval()
-    main.load_state_dict({k: v for k, v in big.state_dict().items() if f"layers.{LAYERS}." not in k})
-    mtp = MtpModel(main, 1).eval()
-    layer = mtp.layers[0]
-    layer.mtp_block.load_state_dict(big.model.layers[LAYERS].state_dict())
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for p in (layer.enorm.weight, layer.hnorm.weight, layer.post_norm.weight):
-            p.normal_(1.0, 0.1)
-        layer.eh_proj.weight.normal_(0.0, 0.1)
-    src = f"model.layers.{LAYERS}."
-    extra = {src + "enorm.weight": layer.enorm.weight, src + "hnorm.weight": layer.hnorm.weight,
-             src + "eh_proj.weight": layer.eh_proj.weight, src + "shared_head.norm.weight": layer.post_norm.weight,
-             src + "shared_head.head.weight": main.lm_head.weight, src + "embed_tokens.weight": main.model.embed_tokens.weight}
-    extra = {k: v.detach().clone().contiguous() for k, v in extra.items()}
-    hf_dir = copy_hf_checkpoint(root / "big", root / "hf",
-                                lambda raw: raw.update(num_hidden_layers=LAYERS, num_nextn_predict_layers=1),
-                                lambda t: t.update(extra))
+    main, mtp, extra, hf_dir = save_with_mtp(big, root, LAYERS, seed=7)
     convert_checkpoint(hf_dir, root / "dz", progress=False)
     config, weights = load_checkpoint(root / "dz", dtype=jnp.float32)
     return SimpleNamespace(main=main, mtp=mtp, extra=extra, config=config, weights=weights)
@@ -77,14 +54,7 @@ def test_the_module_is_kept(glm_mtp):
 def test_module_logits_match_hf(glm_mtp):
     """HF's MtpModel over the main model's last hidden states (after its final norm): the same
     logits over a 64-token prompt."""
-    c, w = glm_mtp.config, glm_mtp.weights
-    ids = np.random.default_rng(3).integers(0, c.vocab_size, (1, 64))
-    t = torch.from_numpy(ids)
-    with torch.no_grad():
-        h = glm_mtp.main(t, output_hidden_states=True).hidden_states[-1]
-        x = glm_mtp.mtp.forward_layer(0, h[:, :-1], torch.arange(1, 64)[None], None, input_ids=t[:, 1:])
-        ref = glm_mtp.mtp._project_to_logits(x).numpy()
-    assert_logits_match(np.asarray(_module_logits(w, c, jnp.asarray(ids, jnp.int32))), ref, "GLM MTP module")
+    assert_module_matches_hf(glm_mtp, "GLM MTP module")
 
 
 @pytest.mark.usefixtures("quick_compiles")  # tiny programs: XLA's passes off (conftest)
