@@ -36,7 +36,7 @@ def applies(q: jax.Array, keys, values, keys_token_major: bool) -> bool:
     at most ``MAX_QUERY_TOKENS`` tokens per row."""
     return (not keys_token_major and isinstance(keys, jax.Array) and isinstance(values, jax.Array)
             and keys.dtype == values.dtype == q.dtype == jnp.float32 and q.shape[1] <= MAX_QUERY_TOKENS
-            and jax.default_backend() == "cpu" and jax.device_count() == 1 and cpu_matvec.available())
+            and cpu_matvec.single_device_cpu() and cpu_matvec.available())
 
 
 def cached_stats(qg: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> Stats:

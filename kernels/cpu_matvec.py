@@ -167,6 +167,12 @@ def available(build: bool = True) -> bool:
         return _state["ready"]
 
 
+def single_device_cpu() -> bool:
+    """Whether this process runs on one XLA:CPU device, where the native kernels may stand in for
+    XLA's ops. On a mesh a custom call has no sharding rule, so XLA would gather its operands."""
+    return jax.default_backend() == "cpu" and jax.device_count() == 1
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`available` said False after trying (None if it did not try or succeeded)."""
     return _state["reason"]

@@ -92,7 +92,7 @@ def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
 def _tiled_here() -> bool:
     """Whether the tiled path runs: on single-device XLA:CPU. GPU/TPU fuse the dequantization into
     the dot's operand read, and on a mesh a scan over a sharded input axis would gather it."""
-    return jax.default_backend() == "cpu" and jax.device_count() == 1
+    return cpu_matvec.single_device_cpu()
 
 
 def _native_int8(w: QuantizedArray, n_in: int) -> bool:

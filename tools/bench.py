@@ -32,9 +32,9 @@ class BenchError(ValueError):
 
 
 def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int,
-                 peers_runs: dict | None = None) -> dict[str, float]:
+                 peer_runs: dict | None = None) -> dict[str, float]:
     """Measure dayzero on ``prompts`` (best of ``repeats`` after a compiling warm-up), with any
-    ``peers_runs`` (name -> ``(run, prompts)``, as :func:`~dayzero.tools.measure.interleaved_speeds`
+    ``peer_runs`` (name -> ``(run, prompts)``, as :func:`~dayzero.tools.measure.interleaved_speeds`
     takes them) measured round by round beside it; their speeds come back under their names.
 
     Time to first token is prefill + first sample; decode rate is between first and last token.
@@ -49,7 +49,7 @@ def bench_engine(engine, prompts: list[list[int]], new_tokens: int, repeats: int
             first = first or time.perf_counter()
         return first - start, time.perf_counter() - first
 
-    measured = interleaved_speeds({"dayzero": (run, prompts), **(peers_runs or {})}, new_tokens, repeats)
+    measured = interleaved_speeds({"dayzero": (run, prompts), **(peer_runs or {})}, new_tokens, repeats)
     return {
         **measured.pop("dayzero"),
         **measured,
@@ -98,7 +98,7 @@ def _runs(engine, args, peer_map: dict, prompt_lens: list[int], batches: list[in
             row = {"prompt_len": prompt_len, "batch": batch, "new_tokens": args.new_tokens}
             # Peers run round by round with dayzero (interleaved_speeds); llama-cpp-python's API
             # runs one sequence, so it sits out batches.
-            peer_runs = {name: (peer.runner(prompts, args.new_tokens), prompts if name != "llamacpp" else prompts[:1])
+            peer_runs = {name: peer.runner(prompts, args.new_tokens)
                          for name, peer in peer_map.items() if not (name == "llamacpp" and batch > 1)}
             row.update(bench_engine(engine, prompts, args.new_tokens, args.repeats, peer_runs))
             if bandwidth is not None:

@@ -59,10 +59,11 @@ class HFPeer:
 
     def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
         """Best-of-``repeats`` TTFT, prefill and decode speed on ``prompts``."""
-        return timed_speeds(self.runner(prompts, new_tokens), prompts, new_tokens, repeats)
+        return timed_speeds(*self.runner(prompts, new_tokens), new_tokens, repeats)
 
-    def runner(self, prompts: list[list[int]], new_tokens: int):
-        """One greedy generation of ``new_tokens`` on ``prompts``: ``run() -> (ttft_s, decode_s)``."""
+    def runner(self, prompts: list[list[int]], new_tokens: int) -> tuple:
+        """One greedy generation of ``new_tokens`` on ``prompts``: (``run() -> (ttft_s,
+        decode_s)``, the prompts it runs)."""
         if self._model is None:
             self._model = self._load()
         torch, model = self._torch, self._model
@@ -76,7 +77,7 @@ class HFPeer:
                                do_sample=False, streamer=streamer)
             return streamer.first - streamer.start, streamer.last - streamer.first
 
-        return run
+        return run, prompts
 
 
 class _TokenClock:
@@ -125,11 +126,11 @@ class LlamaCppPeer:
 
     def measure(self, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict[str, float]:
         """Best-of-``repeats`` TTFT, prefill and decode speed on one prompt."""
-        return timed_speeds(self.runner(prompts, new_tokens), prompts[:1], new_tokens, repeats)
+        return timed_speeds(*self.runner(prompts, new_tokens), new_tokens, repeats)
 
-    def runner(self, prompts: list[list[int]], new_tokens: int):
+    def runner(self, prompts: list[list[int]], new_tokens: int) -> tuple:
         """One greedy generation of ``new_tokens`` on the first prompt (llama-cpp-python runs one
-        sequence): ``run() -> (ttft_s, decode_s)``."""
+        sequence): (``run() -> (ttft_s, decode_s)``, the prompts it runs: that one)."""
         prompt = prompts[0]
         llm = self._model(len(prompt) + new_tokens)
 
@@ -144,7 +145,7 @@ class LlamaCppPeer:
                 token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
             return first - start, time.perf_counter() - first
 
-        return run
+        return run, prompts[:1]
 
     def sequence_logits(self, ids: list[int]) -> np.ndarray:
         """llama.cpp's logits [n, V] at every position of ``ids`` (one pass, float32)."""
