@@ -208,7 +208,10 @@ def test_kimi_sizes_match_hf(hf_kimi, size):
     assert ours.grid_thw == grid
     np.testing.assert_array_equal(ours.pixel_values, pixels)
     patches_fn = hf_kimi.Kimi_K25ImageProcessor.get_number_of_image_patches
-    hf_self = types.SimpleNamespace(size={"max_height": 512}, patch_size=14, merge_size=2, max_patches=16384)
+    defaults = dict(size={"max_height": 512}, patch_size=14, merge_size=2, max_patches=16384)
+    # The processor itself needs torchvision; transformers >= 5.25 reads its settings through
+    # _merge_and_standardize_kwargs (the instance's values where the call gives none).
+    hf_self = types.SimpleNamespace(**defaults, _merge_and_standardize_kwargs=lambda **kw: {**defaults, **kw})
     assert ours.num_tokens == patches_fn(hf_self, *size) // 4 == num_image_tokens(*size, KIMI)
 
 
