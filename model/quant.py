@@ -80,7 +80,7 @@ class ValueFormat(enum.Enum):
 
     INT8 = "int8"  # symmetric [-127, 127]: -128 unused, so that negation is exact
     FP8 = "float8_e4m3fn"  # e4m3: 3 mantissa bits, largest finite 448
-    INT4 = "int4"  # symmetric [-7, 7]
+    INT4 = "int4"  # [-8, 7], scaled as llama.cpp's q4_0 (see _int4_scale)
     MXFP4 = "mxfp4"  # e2m1, largest 6, with a power-of-two (e8m0) scale per MXFP4_BLOCK
 
     @property
@@ -96,7 +96,8 @@ class ValueFormat(enum.Enum):
 
     @property
     def qmax(self) -> float:
-        """The magnitude a block's absmax is mapped to (at most, for MXFP4's power-of-two scales)."""
+        """The magnitude a block's absmax is mapped to (at most, for MXFP4's power-of-two scales;
+        int4's greatest value, its largest magnitude being stored as ``INT4_LOWEST``)."""
         return {"int8": 127.0, "float8_e4m3fn": 448.0, "int4": 7.0, "mxfp4": 6.0}[self.value]
 
 
@@ -110,9 +111,9 @@ class WeightQuant(enum.Enum):
     (``dayzero.engine.runtime.TIED_HEAD_FORMAT``).
 
     ``int4`` is for MoE models (4-bit experts, the bulk of the bytes; attention int8); on a dense
-    model it is int8. ``int4-all`` is 4 bits everywhere, as llama.cpp's q4_0 (which groups 32
-    inputs too, with 16 levels where dayzero's symmetric int4 has 15): on SmolLM2-135M it decodes
-    1.85-2.6x faster than fp32 on CPU at a mean KL of 0.38 (q4_0: 0.27; ``bench/quant.py``).
+    model it is int8. ``int4-all`` is 4 bits everywhere in groups of 32 inputs, with q4_0's 16
+    levels and scales (``_int4_scale``): on SmolLM2-135M it decodes 1.85-2.6x faster than fp32 on
+    CPU at a mean KL of 0.267 (llama.cpp's q4_0: 0.27; ``bench/quant.py``).
     """
 
     NONE = "none"
@@ -137,6 +138,7 @@ class KVQuant(enum.Enum):
 
 
 AUTO = "auto"
+INT4_LOWEST = -8.0  # the int4 value the largest magnitude of a group is stored as
 INT4_GROUP = 128  # inputs per int4 scale: the usual group-wise size for 4-bit weights
 INT4_ALL_GROUP = 32  # inputs per int4 scale under int4-all (see WeightQuant.INT4_ALL)
 FP8_BLOCK = (128, 128)  # [in, out] block of fp8-block when the source does not dictate one
@@ -311,11 +313,13 @@ def dequantized(x: Any, dtype: Any) -> jax.Array:
 
 
 def _to_values(scaled: jax.Array, fmt: ValueFormat) -> jax.Array:
-    """Values already divided by their scale (|scaled| <= qmax) in the stored format."""
+    """Values already divided by their scale (|scaled| <= qmax; int4: within [-8, 8]) in the
+    stored format."""
     if fmt in (ValueFormat.FP8, ValueFormat.MXFP4):
         # Round to nearest even e4m3 / e2m1; within +-qmax by construction (casts saturate).
         return scaled.astype(fmt.dtype)
-    return jnp.clip(jnp.round(scaled), -fmt.qmax, fmt.qmax).astype(fmt.dtype)
+    low = INT4_LOWEST if fmt is ValueFormat.INT4 else -fmt.qmax
+    return jnp.clip(jnp.round(scaled), low, fmt.qmax).astype(fmt.dtype)
 
 
 def _safe_scale(absmax: jax.Array, fmt: ValueFormat) -> jax.Array:
@@ -333,29 +337,43 @@ def _power_of_two_scale(absmax: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type((k + 127).astype(jnp.uint8), jnp.float8_e8m0fnu)
 
 
-def _block_scale(absmax: jax.Array, fmt: ValueFormat) -> jax.Array:
-    """The scale of each block (or channel) of ``absmax``, in ``fmt.scale_dtype``."""
+def _int4_scale(low: jax.Array, high: jax.Array) -> jax.Array:
+    """int4 scales as llama.cpp's q4_0 chooses them: the value of largest magnitude (of ``low``,
+    ``high``: each group's least and greatest) comes back as -8 times the scale, so the group uses
+    all 16 levels where absmax / 7 would leave -8 unused; the scale is negative where that value
+    is positive. A value of the other sign within 1/16 of it saturates at 7 (one step off)."""
+    extreme = jnp.where(-low > high, low, high)
+    return jnp.where(extreme != 0, extreme / INT4_LOWEST, 1.0).astype(jnp.float32)
+
+
+def _block_scale(low: jax.Array, high: jax.Array, fmt: ValueFormat) -> jax.Array:
+    """The scale of each block (or channel) whose least and greatest values are ``low`` and
+    ``high``, in ``fmt.scale_dtype``."""
+    if fmt is ValueFormat.INT4:
+        return _int4_scale(low, high)
+    absmax = jnp.maximum(-low, high)
     return _power_of_two_scale(absmax) if fmt is ValueFormat.MXFP4 else _safe_scale(absmax, fmt)
 
 
 def quantize(x: jax.Array, fmt: ValueFormat, in_axes: tuple[int, ...],
              block: tuple[int, int] | None = None) -> QuantizedArray:
-    """Symmetric absmax quantization of ``x`` in the layout given by ``in_axes`` and ``block``
-    (MXFP4: block layout only, with power-of-two scales, see :func:`_power_of_two_scale`)."""
+    """Absmax quantization of ``x`` in the layout given by ``in_axes`` and ``block`` (symmetric;
+    int4 with q4_0's 16 levels, see :func:`_int4_scale`; MXFP4: block layout only, with
+    power-of-two scales, see :func:`_power_of_two_scale`)."""
     x = jnp.asarray(x, jnp.float32)
     in_axes = tuple(in_axes)
     if block is None:
         if fmt is ValueFormat.MXFP4:
             raise QuantError(f"mxfp4 has one scale per block of inputs; pass block={MXFP4_BLOCK}, not None")
-        scale = _safe_scale(jnp.max(jnp.abs(x), axis=in_axes, keepdims=True), fmt)
+        scale = _block_scale(jnp.min(x, axis=in_axes, keepdims=True), jnp.max(x, axis=in_axes, keepdims=True), fmt)
         return QuantizedArray(_to_values(x / scale, fmt), scale, fmt, in_axes, None)
     batch, n_in, n_out = matrix_dims(x.shape, in_axes)
     bi, bo = block
     ni, no = math.ceil(n_in / bi), math.ceil(n_out / bo)
     matrix = x.reshape(*batch, n_in, n_out)
     pad = [(0, 0)] * len(batch) + [(0, ni * bi - n_in), (0, no * bo - n_out)]
-    blocks = jnp.pad(jnp.abs(matrix), pad).reshape(*batch, ni, bi, no, bo)
-    scale = _block_scale(jnp.max(blocks, axis=(-3, -1)), fmt)
+    blocks = jnp.pad(matrix, pad).reshape(*batch, ni, bi, no, bo)
+    scale = _block_scale(jnp.min(blocks, axis=(-3, -1)), jnp.max(blocks, axis=(-3, -1)), fmt)
     values = _to_values(matrix / _expand_blocks(scale.astype(jnp.float32), block, n_in, n_out), fmt)
     return QuantizedArray(values.reshape(x.shape), scale, fmt, in_axes, tuple(block))
 
