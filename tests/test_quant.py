@@ -85,7 +85,7 @@ def test_round_trip_error_bounds(fmt, block):
     else:
         assert (err <= scale / 2 * (1 + 1e-6)).all()
         np.testing.assert_allclose(np.abs(values).max(), fmt.qmax)
-    # The scale is the block's absmax / qmax: the largest element comes back exactly.
+    # The scale is the block's absmax / qmax (int4: its extreme / -8): the largest element comes back exactly.
     i = np.unravel_index(np.abs(x).argmax(), x.shape)
     assert back[i] == pytest.approx(x[i], rel=1e-6)
 
