@@ -22,12 +22,13 @@ def _load_hub_kernels():
     imports; without this, every HF model in the tests failed to import. dayzero's own kernels are
     only ever ``dayzero.kernels``.
     """
-    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.realpath(os.path.dirname(here))
     elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
     if spec is None:
         raise ImportError(f"the top-level module 'kernels' is Hugging Face's package, which is not installed; "
-                          f"{os.path.dirname(os.path.abspath(__file__))} is dayzero's, imported as 'dayzero.kernels'")
+                          f"{here} is dayzero's, imported as 'dayzero.kernels'")
     module = importlib.util.module_from_spec(spec)
     sys.modules["kernels"] = module  # before running it: its own submodule imports look it up here
     spec.loader.exec_module(module)

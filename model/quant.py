@@ -346,12 +346,13 @@ def _int4_scale(low: jax.Array, high: jax.Array) -> jax.Array:
     return jnp.where(extreme != 0, extreme / INT4_LOWEST, 1.0).astype(jnp.float32)
 
 
-def _block_scale(low: jax.Array, high: jax.Array, fmt: ValueFormat) -> jax.Array:
-    """The scale of each block (or channel) whose least and greatest values are ``low`` and
-    ``high``, in ``fmt.scale_dtype``."""
+def _block_scale(x: jax.Array, axes: tuple[int, ...], fmt: ValueFormat, keepdims: bool = False) -> jax.Array:
+    """The scale of each block (or channel) of ``x``, whose elements lie along ``axes``, in
+    ``fmt.scale_dtype``. Only int4 reads the signs: the other formats reduce |x| once (the KV
+    caches quantize every step's new rows here)."""
     if fmt is ValueFormat.INT4:
-        return _int4_scale(low, high)
-    absmax = jnp.maximum(-low, high)
+        return _int4_scale(jnp.min(x, axis=axes, keepdims=keepdims), jnp.max(x, axis=axes, keepdims=keepdims))
+    absmax = jnp.max(jnp.abs(x), axis=axes, keepdims=keepdims)
     return _power_of_two_scale(absmax) if fmt is ValueFormat.MXFP4 else _safe_scale(absmax, fmt)
 
 
@@ -365,7 +366,7 @@ def quantize(x: jax.Array, fmt: ValueFormat, in_axes: tuple[int, ...],
     if block is None:
         if fmt is ValueFormat.MXFP4:
             raise QuantError(f"mxfp4 has one scale per block of inputs; pass block={MXFP4_BLOCK}, not None")
-        scale = _block_scale(jnp.min(x, axis=in_axes, keepdims=True), jnp.max(x, axis=in_axes, keepdims=True), fmt)
+        scale = _block_scale(x, in_axes, fmt, keepdims=True)
         return QuantizedArray(_to_values(x / scale, fmt), scale, fmt, in_axes, None)
     batch, n_in, n_out = matrix_dims(x.shape, in_axes)
     bi, bo = block
@@ -373,7 +374,7 @@ def quantize(x: jax.Array, fmt: ValueFormat, in_axes: tuple[int, ...],
     matrix = x.reshape(*batch, n_in, n_out)
     pad = [(0, 0)] * len(batch) + [(0, ni * bi - n_in), (0, no * bo - n_out)]
     blocks = jnp.pad(matrix, pad).reshape(*batch, ni, bi, no, bo)
-    scale = _block_scale(jnp.min(blocks, axis=(-3, -1)), jnp.max(blocks, axis=(-3, -1)), fmt)
+    scale = _block_scale(blocks, (-3, -1), fmt)
     values = _to_values(matrix / _expand_blocks(scale.astype(jnp.float32), block, n_in, n_out), fmt)
     return QuantizedArray(values.reshape(x.shape), scale, fmt, in_axes, tuple(block))
 
