@@ -32,7 +32,7 @@ from dayzero.model.quant import KVQuant, WeightQuant
 from dayzero.model.mrope import ImageInput, continuation
 from dayzero.model.mtp import main_hidden
 from dayzero.model.transformer import forward
-from dayzero.model.cache import KVCache, append_to_cache, cache_specs, init_cache
+from dayzero.model.cache import InPlaceKVCache, KVCache, append_to_cache, cache_specs, init_cache
 from dayzero.engine import staged_load
 from dayzero.model import pipeline
 from dayzero.model.weights import Weights, abstract_weights, aligned_weights, quantize_weights
@@ -186,6 +186,10 @@ class Engine(PipelineMixin):
         # Prefill (no cache to read: a first prompt) and decode are separate compiled functions.
         self._prefill = jax.jit(functools.partial(self._step_impl, cache=None), static_argnames=("mode", "hidden"))
         self._decode = jax.jit(self._step_impl, static_argnames=("mode", "hidden"))
+        # Decode that writes the cache as it attends (single-device CPU, float32 cache): the cache
+        # is donated, so the written cache is the step's own output and no append follows.
+        self._decode_in_place = jax.jit(self._step_in_place, static_argnames=("mode", "hidden"),
+                                        donate_argnames=("cache",))
         # On a mesh the written cache is pinned to its layout; one device keeps the plain write.
         self._append = jax.jit(append_to_cache if run.placement is None else self._append_on_mesh, donate_argnums=(0,))
         # Warm starts read these steps whole from disk (no trace, no lowering) when --compile-cache is on.
@@ -292,6 +296,16 @@ class Engine(PipelineMixin):
         return engine_step(self.config, self._parallel, weights, tokens, num_new, rows, step, mode, cache, images,
                            hidden)
 
+    def _step_in_place(self, weights, tokens, num_new, rows: RowSampling, step, mode: SamplingMode, cache,
+                       images: ImageInput | None = None, rope_deltas=None, hidden: bool = False):
+        view = InPlaceKVCache(cache, num_new, tuple(self.config.sliding_windows))
+        return self._step_impl(weights, tokens, num_new, rows, step, mode, view, images, rope_deltas, hidden)
+
+    def _writes_in_place(self, cache, T: int) -> bool:
+        """Whether a decode step of ``T`` tokens per row writes ``cache`` as it attends (one
+        program, see :class:`~dayzero.model.cache.InPlaceKVCache`) rather than appending after."""
+        return self._stages is None and self.placement is None and InPlaceKVCache.applies(cache, T)
+
     def _append_on_mesh(self, cache, new):
         cache = pipeline.append_staged(cache, new) if self._stages is not None else append_to_cache(cache, new)
         # The written cache keeps the layout it was made with, so the next step sees the same input.
@@ -299,7 +313,8 @@ class Engine(PipelineMixin):
 
     def _run_step(self, tokens, cache: KVCache, num_new, rows, step, mode, fresh: bool = False,
                   images: ImageInput | None = None, rope_deltas=None, hidden: bool = False) -> tuple:
-        """One jitted forward + sample, then the cache write. ``fresh``: the cache is empty.
+        """One jitted forward + sample, then the cache write (in the same program where
+        :meth:`_writes_in_place`). ``fresh``: the cache is empty.
         ``images`` (a prefill chunk of an image prompt) or ``rope_deltas`` [B] (a later step of
         one): another program, told apart in the key by the image entry count. ``hidden``:
         another program that also returns the hidden states (``engine_step``), a fourth output."""
@@ -312,16 +327,22 @@ class Engine(PipelineMixin):
             key, extra = key + ("images", n, len(images.deepstack)), {"images": self._host(images)}
         elif rope_deltas is not None:
             key, extra = key + ("rope_deltas",), {"rope_deltas": rope_deltas}
+        in_place = not fresh and self._writes_in_place(cache, tokens.shape[1])
+        key += ("in place",) if in_place else ()
         first = key not in self._steps
         start = time.perf_counter()
         step = self._host(np.int32(step))
         if fresh:
             out = self._steps.call(self._prefill, key, self.weights, tokens, num_new, rows, step, static=static,
                                    **extra)
+        elif in_place:
+            out = self._steps.call(self._decode_in_place, key, self.weights, tokens, num_new, rows, step, cache=cache,
+                                   static=static, **extra)
         else:
             out = self._steps.call(self._decode, key, self.weights, tokens, num_new, rows, step, cache=cache,
                                    static=static, **extra)
-        cache = self._steps.call(self._append, (base, "append"), cache, out[2])
+        # In place, the step's third output is the written cache; else what to append.
+        cache = out[2] if in_place else self._steps.call(self._append, (base, "append"), cache, out[2])
         if first:  # first call of this shape: account its compile (or load) time
             jax.block_until_ready(out[0])
             self.compile_s += time.perf_counter() - start

@@ -1,9 +1,16 @@
-// Softmax statistics of a few queries over a contiguous float32 KV cache, for XLA:CPU decode,
-// called through the XLA FFI (dayzero/kernels/cpu_attention.py says why and what it replaces).
+// Decode attention of a few queries over a contiguous float32 KV cache, for XLA:CPU, called through
+// the XLA FFI (dayzero/kernels/cpu_attention.py says why and what it replaces).
 //
 //   dayzero_cached_attention: q[B,K,M,H], keys[B,K,H,S], values[B,K,S,H], mask[B,T,S] (bool)
 //     -> m[B,K,M], l[B,K,M], o[B,K,M,H] (all float32)
+//   dayzero_attention_in_place: q[B,T,N,H], k_new[B,T,K,H], v_new[B,T,K,H], keys[B,K,H,S],
+//     values[B,K,S,H], starts[B], num_new[B] (int32), sinks[N]; attributes scale, window
+//     -> out[B,T,N,H], keys, values (the cache results alias the cache operands): the new keys and
+//     values written into the cache, then the whole attention of the step read from it, finished
+//     (o / l, sinks joined); one call in place of the write, the new keys' own statistics, the
+//     merge and the finish, each a separate XLA op otherwise.
 //
+// For dayzero_cached_attention:
 // Query row r of group (b, k) is query token r % T (the caller's [B, K, G*T, H] layout). Over the
 // positions s that mask[b, r % T, s] shows: m = max of the scores q.k_s, l = sum of exp(score - m),
 // o = sum of exp(score - m) * v_s. A row that sees nothing gets m = -inf, l = 0, o = 0 (what
@@ -21,10 +28,8 @@
 #include <limits>
 #include <vector>
 #include "cpu_parallel.h"
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace ffi = xla::ffi;
 
@@ -60,53 +65,65 @@ struct Shape {
   int64_t B, K, M, H, S, T;
 };
 
-#if defined(__AVX512F__)
-// kRows rows' scores for positions [j, j + 16 kVecs): the kRows x kVecs sums stay in registers
-// through all H dims (row and vector counts are template arguments so that they can). Each dim's
-// keys are a row of positions S apart, so a block reads H short runs: wider blocks make longer runs.
+#if DAYZERO_SIMD
+using dayzero::kAccumulators;
+using dayzero::kLanes;
+using dayzero::Vec;
+
+// kRows rows' scores for positions [j, j + kLanes kVecs): the kRows x kVecs sums stay in
+// registers through all H dims (row and vector counts are template arguments so that they can).
+// Each dim's keys are a row of positions S apart, so a block reads H short runs: wider blocks
+// make longer runs.
 template <int kRows, int kVecs>
 void ScoreBlock(const float* q, const float* kh, float* scores, int64_t H, int64_t S, int64_t n, int64_t j) {
-  __m512 acc[kRows][kVecs];
+  Vec acc[kRows][kVecs];
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = dayzero::Zero();
   for (int64_t h = 0; h < H; ++h) {
-    __m512 keys[kVecs];
-    for (int c = 0; c < kVecs; ++c) keys[c] = _mm512_loadu_ps(kh + h * S + j + 16 * c);
+    Vec keys[kVecs];
+    for (int c = 0; c < kVecs; ++c) keys[c] = dayzero::Load(kh + h * S + j + kLanes * c);
     for (int r = 0; r < kRows; ++r) {
-      const __m512 qv = _mm512_set1_ps(q[r * H + h]);
-      for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_fmadd_ps(qv, keys[c], acc[r][c]);
+      const Vec qv = dayzero::Broadcast(q[r * H + h]);
+      for (int c = 0; c < kVecs; ++c) acc[r][c] = dayzero::MulAdd(qv, keys[c], acc[r][c]);
     }
   }
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(scores + r * n + j + 16 * c, acc[r][c]);
+    for (int c = 0; c < kVecs; ++c) dayzero::Store(scores + r * n + j + kLanes * c, acc[r][c]);
 }
 
-// kRows rows' outputs o[r, :] = sum over visible j of p[r, j] * values[j, :], H = 16 x kVecs: the
-// kRows x kVecs sums stay in registers while the value rows stream by, each loaded once.
+// kRows rows' outputs o[r, :] = sum over visible j of p[r, j] * values[j, :], H = kLanes x kVecs:
+// the kRows x kVecs sums stay in registers while the value rows stream by, each loaded once.
 template <int kRows, int kVecs>
 void ValueBlock(const float* p, const float* values, const bool* const* seen, float* o, int64_t n) {
-  constexpr int64_t H = 16 * kVecs;
-  __m512 acc[kRows][kVecs];
+  constexpr int64_t H = kLanes * kVecs;
+  Vec acc[kRows][kVecs];
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < kVecs; ++c) acc[r][c] = dayzero::Zero();
   for (int64_t j = 0; j < n; ++j)
     for (int r = 0; r < kRows; ++r) {
       if (!seen[r][j]) continue;  // never read a hidden value: 0 * NaN would be NaN
-      const __m512 pv = _mm512_set1_ps(p[r * n + j]);
+      const Vec pv = dayzero::Broadcast(p[r * n + j]);
       for (int c = 0; c < kVecs; ++c)
-        acc[r][c] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(values + j * H + 16 * c), acc[r][c]);
+        acc[r][c] = dayzero::MulAdd(pv, dayzero::Load(values + j * H + kLanes * c), acc[r][c]);
     }
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < kVecs; ++c) _mm512_storeu_ps(o + r * H + 16 * c, acc[r][c]);
+    for (int c = 0; c < kVecs; ++c) dayzero::Store(o + r * H + kLanes * c, acc[r][c]);
 }
 
-// ValueBlock over all M rows, kBlock rows at a time.
+// ValueBlock over all M rows of H = kLanes x kVecs, kBlock rows at a time; false (nothing done)
+// where one row's sums would not fit the accumulator registers.
 template <int kVecs>
-void ValueRows(const float* p, const float* values, const bool* const* seen, float* o, int64_t M, int64_t n) {
-  constexpr int kBlock = 16 / kVecs;  // at most 16 accumulator registers
-  int64_t r = 0;
-  for (; r + kBlock <= M; r += kBlock) ValueBlock<kBlock, kVecs>(p + r * n, values, seen + r, o + r * 16 * kVecs, n);
-  for (; r < M; ++r) ValueBlock<1, kVecs>(p + r * n, values, seen + r, o + r * 16 * kVecs, n);
+bool ValueRows(const float* p, const float* values, const bool* const* seen, float* o, int64_t M, int64_t n) {
+  if constexpr (kVecs > kAccumulators) {
+    return false;
+  } else {
+    constexpr int kBlock = kAccumulators / kVecs;
+    int64_t r = 0;
+    for (; r + kBlock <= M; r += kBlock)
+      ValueBlock<kBlock, kVecs>(p + r * n, values, seen + r, o + r * kLanes * kVecs, n);
+    for (; r < M; ++r) ValueBlock<1, kVecs>(p + r * n, values, seen + r, o + r * kLanes * kVecs, n);
+    return true;
+  }
 }
 #endif
 
@@ -114,17 +131,21 @@ void ValueRows(const float* p, const float* values, const bool* const* seen, flo
 // per dim, the first at ``kh``).
 void Scores(const float* q, const float* kh, float* scores, int64_t M, int64_t H, int64_t S, int64_t n) {
   int64_t j = 0;
-#if defined(__AVX512F__)
-  // 64 positions a block (runs of 256 bytes per dim), rows three at a time (12 sums, 4 keys).
-  for (; j + 64 <= n; j += 64) {
+#if DAYZERO_SIMD
+  // Four vectors of positions a block (64 with AVX-512: runs of 256 bytes per dim), rows three
+  // at a time with AVX-512 (12 sums, 4 keys), two with AVX2 (8 sums of its 16 registers).
+  constexpr int kRowsAtOnce = kAccumulators >= 12 ? 3 : 2;
+  constexpr int64_t kBlock = 4 * kLanes;
+  for (; j + kBlock <= n; j += kBlock) {
     int64_t r = 0;
-    for (; r + 3 <= M; r += 3) ScoreBlock<3, 4>(q + r * H, kh, scores + r * n, H, S, n, j);
+    for (; r + kRowsAtOnce <= M; r += kRowsAtOnce)
+      ScoreBlock<kRowsAtOnce, 4>(q + r * H, kh, scores + r * n, H, S, n, j);
     for (; r < M; ++r) ScoreBlock<1, 4>(q + r * H, kh, scores + r * n, H, S, n, j);
   }
-  for (; j + 16 <= n; j += 16)
+  for (; j + kLanes <= n; j += kLanes)
     for (int64_t r = 0; r < M; ++r) ScoreBlock<1, 1>(q + r * H, kh, scores + r * n, H, S, n, j);
 #endif
-  for (int64_t r = 0; r < M; ++r)  // without AVX-512 every position, else the last n % 16
+  for (int64_t r = 0; r < M; ++r)  // without vectors every position, else the last n % kLanes
     for (int64_t jj = j; jj < n; ++jj) {
       float sum = 0.0f;
       for (int64_t h = 0; h < H; ++h) sum += q[r * H + h] * kh[h * S + jj];
@@ -136,11 +157,17 @@ void Scores(const float* q, const float* kh, float* scores, int64_t M, int64_t H
 // positions are skipped, never read: 0 * NaN would be NaN.
 void Values(const float* p, const float* values, const bool* const* seen, float* o, int64_t M, int64_t H,
             int64_t n) {
-#if defined(__AVX512F__)
-  switch (H) {
-    case 64: return ValueRows<4>(p, values, seen, o, M, n);
-    case 128: return ValueRows<8>(p, values, seen, o, M, n);
-    case 256: return ValueRows<16>(p, values, seen, o, M, n);
+#if DAYZERO_SIMD
+  switch (H) {  // the head sizes models use, where one row's sums fit the registers
+    case 64:
+      if (ValueRows<64 / kLanes>(p, values, seen, o, M, n)) return;
+      break;
+    case 128:
+      if (ValueRows<128 / kLanes>(p, values, seen, o, M, n)) return;
+      break;
+    case 256:
+      if (ValueRows<256 / kLanes>(p, values, seen, o, M, n)) return;
+      break;
   }
 #endif
   std::fill(o, o + M * H, 0.0f);
@@ -220,23 +247,14 @@ void RangeStats(const Shape& d, const float* q, const float* keys, const float* 
   }
 }
 
-ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
-                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> m_out,
-                           ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> o_out) {
-  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), md = mask.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
-    return ffi::Error::InvalidArgument(
-        "dayzero_cached_attention: needs q[B,K,M,H], keys[B,K,H,S], values[B,K,S,H], mask[B,T,S]");
-  const Shape d{qd[0], qd[1], qd[2], qd[3], kd[3], md[1]};
-  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K || vd[2] != d.S || vd[3] != d.H ||
-      md[0] != d.B || md[2] != d.S || d.T <= 0 || d.M % d.T)
-    return ffi::Error::InvalidArgument("dayzero_cached_attention: shapes disagree (q[B,K,G*T,H], keys[B,K,H,S], "
-                                       "values[B,K,S,H], mask[B,T,S])");
-  const bool* mp = reinterpret_cast<const bool*>(mask.typed_data());
+// The statistics (m [B,K,M], l [B,K,M], o [B,K,M,H]) of queries ``q`` [B,K,M,H] over the positions
+// of ``keys`` [B,K,H,S] / ``values`` [B,K,S,H] that ``mask`` [B,T,S] shows (see the file comment).
+void CacheStats(ffi::ThreadPool& pool, const Shape& d, const float* q, const float* keys, const float* values,
+                const bool* mask, float* m, float* l, float* o) {
   const int64_t groups = d.B * d.K, M = d.M, MH = d.M * d.H;
   std::vector<int64_t> lo(d.B), hi(d.B);
   int64_t positions = 0;
-  for (int64_t b = 0; b < d.B; ++b) VisibleRange(d, mp, b, &lo[b], &hi[b]), positions += hi[b] - lo[b];
+  for (int64_t b = 0; b < d.B; ++b) VisibleRange(d, mask, b, &lo[b], &hi[b]), positions += hi[b] - lo[b];
   // Work items: each group's range cut into ``parts`` pieces, enough for every thread to have two
   // when the groups are few (one sequence's decode: its few key heads), at least a chunk each.
   const int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
@@ -253,18 +271,112 @@ ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     const int64_t chunks = (span + kChunk - 1) / kChunk;
     const int64_t s0 = std::min(hi[b], lo[b] + chunks * part / parts * kChunk);
     const int64_t s1 = std::min(hi[b], lo[b] + chunks * (part + 1) / parts * kChunk);
-    RangeStats(d, q.typed_data(), keys.typed_data(), values.typed_data(), mp, b, g % d.K, s0, s1, im.data() + i * M,
-               il.data() + i * M, io.data() + i * MH);
+    RangeStats(d, q, keys, values, mask, b, g % d.K, s0, s1, im.data() + i * M, il.data() + i * M,
+               io.data() + i * MH);
   });
   // Merge each group's pieces in order.
-  float* m = m_out->typed_data();
-  float* l = l_out->typed_data();
-  float* o = o_out->typed_data();
   std::fill(m, m + groups * M, kNegInf), std::fill(l, l + groups * M, 0.0f), std::fill(o, o + groups * MH, 0.0f);
   for (int64_t i = 0; i < items; ++i) {
     const int64_t g = i / parts;
     MergeInto(m + g * M, l + g * M, o + g * MH, im.data() + i * M, il.data() + i * M, io.data() + i * MH, M, d.H);
   }
+}
+
+ffi::Error CachedAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> keys,
+                           ffi::Buffer<ffi::F32> values, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> m_out,
+                           ffi::ResultBuffer<ffi::F32> l_out, ffi::ResultBuffer<ffi::F32> o_out) {
+  const auto qd = q.dimensions(), kd = keys.dimensions(), vd = values.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || vd.size() != 4 || md.size() != 3)
+    return ffi::Error::InvalidArgument(
+        "dayzero_cached_attention: needs q[B,K,M,H], keys[B,K,H,S], values[B,K,S,H], mask[B,T,S]");
+  const Shape d{qd[0], qd[1], qd[2], qd[3], kd[3], md[1]};
+  if (kd[0] != d.B || kd[1] != d.K || kd[2] != d.H || vd[0] != d.B || vd[1] != d.K || vd[2] != d.S || vd[3] != d.H ||
+      md[0] != d.B || md[2] != d.S || d.T <= 0 || d.M % d.T)
+    return ffi::Error::InvalidArgument("dayzero_cached_attention: shapes disagree (q[B,K,G*T,H], keys[B,K,H,S], "
+                                       "values[B,K,S,H], mask[B,T,S])");
+  CacheStats(pool, d, q.typed_data(), keys.typed_data(), values.typed_data(),
+             reinterpret_cast<const bool*>(mask.typed_data()), m_out->typed_data(), l_out->typed_data(),
+             o_out->typed_data());
+  return ffi::Error::Success();
+}
+
+// A decode step's whole attention over a contiguous cache it writes first (see the file comment):
+// the T new keys and values of each row b go into slots starts[b] + j (those inside the cache),
+// then query t of row b attends over the slots s < starts[b] + min(t + 1, num_new[b]) (and
+// starts[b] + t - s < window when window > 0), new keys included: the visibility
+// ``transformer.attention_masks`` gives the cached and the new keys together.
+ffi::Error AttentionInPlace(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_new,
+                            ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> keys_in,
+                            ffi::Buffer<ffi::F32> values_in, ffi::Buffer<ffi::S32> starts,
+                            ffi::Buffer<ffi::S32> num_new, ffi::Buffer<ffi::F32> sinks,
+                            ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> keys_out,
+                            ffi::ResultBuffer<ffi::F32> values_out, float scale, int64_t window) {
+  const auto qd = q.dimensions(), nd = k_new.dimensions(), kd = keys_in.dimensions();
+  if (qd.size() != 4 || nd.size() != 4 || kd.size() != 4)
+    return ffi::Error::InvalidArgument("dayzero_attention_in_place: needs q[B,T,N,H], k_new/v_new[B,T,K,H], "
+                                       "keys[B,K,H,S], values[B,K,S,H]");
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], K = nd[2], S = kd[3];
+  if (K <= 0 || N % K || nd[0] != B || nd[1] != T || nd[3] != H || v_new.element_count() != B * T * K * H ||
+      kd[0] != B || kd[1] != K || kd[2] != H || values_in.element_count() != B * K * S * H ||
+      starts.element_count() != B || num_new.element_count() != B || sinks.element_count() != N)
+    return ffi::Error::InvalidArgument("dayzero_attention_in_place: shapes disagree (q[B,T,N,H], k_new and v_new "
+                                       "[B,T,K,H], keys[B,K,H,S], values[B,K,S,H], starts[B], num_new[B], sinks[N])");
+  const int64_t G = N / K;
+  // The cache is read and written through the results, which alias the cache operands.
+  float* keys = keys_out->typed_data();
+  float* values = values_out->typed_data();
+  const int32_t* start = starts.typed_data();
+  const int32_t* count = num_new.typed_data();
+  const float* kn = k_new.typed_data();
+  const float* vn = v_new.typed_data();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t j = 0; j < T; ++j) {
+      const int64_t s = start[b] + j;
+      if (s < 0 || s >= S) continue;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t h = 0; h < H; ++h) {
+          const int64_t from = ((b * T + j) * K + k) * H + h;
+          keys[((b * K + k) * H + h) * S + s] = kn[from];
+          values[((b * K + k) * S + s) * H + h] = vn[from];
+        }
+    }
+  std::vector<char> mask(B * T * S, 0);  // char, not vector<bool>: CacheStats reads bool bytes
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t hi = std::min<int64_t>(S, start[b] + std::min<int64_t>(t + 1, count[b]));
+      const int64_t lo = window > 0 ? std::max<int64_t>(0, start[b] + t - window + 1) : 0;
+      for (int64_t s = lo; s < hi; ++s) mask[(b * T + t) * S + s] = 1;
+    }
+  // Queries as [B,K,G*T,H], scaled: row g * T + t of group (b, k) is head k * G + g of token t.
+  const Shape d{B, K, G * T, H, S, T};
+  std::vector<float> qg(B * N * T * H), m(B * K * G * T), l(m.size()), o(qg.size());
+  const float* qp = q.typed_data();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        float* row = qg.data() + ((b * K + n / G) * G * T + (n % G) * T + t) * H;
+        const float* from = qp + ((b * T + t) * N + n) * H;
+        for (int64_t h = 0; h < H; ++h) row[h] = from[h] * scale;
+      }
+  CacheStats(pool, d, qg.data(), keys, values, reinterpret_cast<const bool*>(mask.data()), m.data(), l.data(),
+             o.data());
+  // o / l back in [B,T,N,H]; a sink joins the denominator as a key of value zero (-inf: none).
+  const float* sink = sinks.typed_data();
+  float* y = out->typed_data();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t n = 0; n < N; ++n) {
+        const int64_t r = (b * K + n / G) * G * T + (n % G) * T + t;
+        float top = m[r], sum = l[r], keep = 1.0f;
+        if (sink[n] != kNegInf) {
+          top = std::max(top, sink[n]);
+          keep = m[r] == kNegInf ? 0.0f : std::exp(m[r] - top);
+          sum = sum * keep + std::exp(sink[n] - top);
+        }
+        const float inverse = sum > 0 ? keep / sum : 0.0f;
+        float* to = y + ((b * T + t) * N + n) * H;
+        for (int64_t h = 0; h < H; ++h) to[h] = o[r * H + h] * inverse;
+      }
   return ffi::Error::Success();
 }
 
@@ -280,3 +392,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dayzero_cached_attention, CachedAttention,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(dayzero_attention_in_place, AttentionInPlace,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<int64_t>("window"));

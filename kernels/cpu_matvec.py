@@ -18,10 +18,18 @@ read and written once per eight rows) and converts them in registers:
   packed, two values per byte; with AVX-512 each byte is widened to a 32-bit lane and its two
   nibbles looked up as floats in a 16-entry table (``vpermps``), and the next pass's rows are
   prefetched. 30 layers of SmolLM2's projections and the head, chained, all weights read from
-  memory (min of 100): int4 5.0-5.6 ms, int8 7.1-7.9 ms, fp32 17-19 ms. Without AVX-512 a
+  memory (min of 100): int4 5.0-5.6 ms, int8 7.1-7.9 ms, fp32 17-19 ms. With AVX2 (no
+  AVX-512) the nibbles are sign-extended with integer ops instead of the table; with neither, a
   scalar loop does the same sums.
 - ``dayzero_matvec_f32``: float32 weights, each 32 columns' sums held in two registers through
   a pass; the same chain 12.5-15.0 ms against XLA's dot 16.9-17.5 (min of 60).
+
+The int8 and float32 kernels and the decode attention are written once against a small vector
+type (``cpu_simd.h``: 16 lanes with AVX-512, 8 with AVX2 and FMA), so a machine without AVX-512
+(AMD's Zen 2 and 3) runs the same code at half width, not a scalar fallback. On such a machine
+(AMD EPYC, 2 cores, 2026-12-03) the scalar fallbacks had decoded SmolLM2 fp32 at 8.8 tok/s after
+a 2048-token prompt (llama.cpp f32 24.6); at half width 21.9 (llama.cpp 28.2), and int8 went from
+1.45x to 1.88x fp32 (``bench/quant.py``).
 
 The kernels are compiled on first use with the host's C++ compiler (``$CXX``, else ``g++``) for
 this CPU (``-march=native``) and kept under the dayzero cache (``native/``), keyed by their
@@ -56,11 +64,12 @@ SOURCE = Path(__file__).with_name("cpu_matvec.cc")
 # Built into the same library: the decode attention (``kernels.cpu_attention``) and their shared
 # work-sharing header.
 SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"))
-HEADERS = (SOURCE.with_name("cpu_parallel.h"),)
+HEADERS = (SOURCE.with_name("cpu_parallel.h"), SOURCE.with_name("cpu_simd.h"))
 TARGET = "dayzero_matvec_i8"
 TARGET_INT4 = "dayzero_matvec_i4"
 TARGET_FLOAT32 = "dayzero_matvec_f32"
 TARGET_ATTENTION = "dayzero_cached_attention"
+TARGET_ATTENTION_IN_PLACE = "dayzero_attention_in_place"
 # -fopenmp-simd: the kernels' ``omp simd`` loops (reductions vectorized without -ffast-math); no
 # OpenMP runtime is linked.
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC", "-w")
@@ -133,7 +142,7 @@ def _build(path: Path) -> None:
 
 def _register(path: Path) -> None:
     library = ctypes.cdll.LoadLibrary(str(path))
-    for target in (TARGET, TARGET_INT4, TARGET_FLOAT32, TARGET_ATTENTION):
+    for target in (TARGET, TARGET_INT4, TARGET_FLOAT32, TARGET_ATTENTION, TARGET_ATTENTION_IN_PLACE):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 

@@ -19,8 +19,12 @@
 
 Why the write is its own function, apart from ``forward``: when one XLA:CPU computation both
 reads a cache buffer and updates it in place, XLA copies the whole buffer (measured: 60 x
-[1,3,8192,64] buffers, 0.3 ms for the update alone, 228 ms with a read beside it). Jitted
+[1,3,8192,64] buffers, 0.3 ms for the update alone, 228 ms with a read beside it; an
+``optimization_barrier`` between the reads and the writes did not stop the copies). Jitted
 separately, with the cache donated to the update, the read and the in-place write stay copy-free.
+The exception is :class:`InPlaceKVCache`: there one native call per layer both writes and reads
+the layer's buffer (its result aliases the buffer), so nothing else reads it and the step that
+donates the cache writes it without a copy.
 """
 
 from __future__ import annotations
@@ -169,6 +173,83 @@ class LatentCache:
         """Layer ``i``'s cached arrays, as its attention block takes them (``after`` as
         :meth:`KVCache.layer`'s, ignored here)."""
         return (self.latent[i],) if self.index_keys is None else (self.latent[i], self.index_keys[i])
+
+
+@struct.dataclass
+class InPlaceLayer:
+    """One layer's float32 cache for a step that writes its new keys in place as it attends
+    (:class:`InPlaceKVCache`): keys [B,K,H,S], values [B,K,S,H], each row's ``starts`` [B] and
+    ``num_new`` [B], and the layer's sliding ``window`` (None: none)."""
+
+    k: jax.Array
+    v: jax.Array
+    starts: jax.Array
+    num_new: jax.Array
+    window: int | None = struct.field(pytree_node=False, default=None)
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+               sinks: jax.Array | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of q [B,T,N,H] over the cache and the new k, v [B,T,K,H], written into it
+        first -> (output [B,T,N,H], the written (keys, values)), as ``transformer.attend`` with
+        ``append_to_cache`` after it gives them."""
+        from dayzero.kernels import cpu_attention
+
+        out, keys, values = cpu_attention.attend_in_place(q, k, v, self.k, self.v, self.starts, self.num_new,
+                                                          self.window, sinks)
+        return out.astype(q.dtype), (keys, values)
+
+
+@struct.dataclass
+class InPlaceKVCache:
+    """A :class:`KVCache` as ``transformer.forward`` reads it in a step that writes it in place:
+    each attention layer writes its new keys and values into the cache and attends over them in
+    one native call (``kernels.cpu_attention.attend_in_place``), and ``forward`` returns the cache
+    written, lengths advanced, in place of the keys and values to append.
+
+    Why: on single-device CPU a decode step otherwise ran the new keys' softmax, the merge with
+    the cache's statistics and the finish as a dozen small XLA ops per layer, then a second
+    program for the write. The step that reads this view must donate the cache (``Engine`` does,
+    where :meth:`applies`): a cache both read and written in one XLA computation is otherwise
+    copied whole (see the module docstring).
+    """
+
+    cache: KVCache
+    num_new: jax.Array
+    windows: tuple[int | None, ...] = struct.field(pytree_node=False)
+
+    keys_token_major = False
+
+    @staticmethod
+    def applies(cache, T: int) -> bool:
+        """Whether a step of ``T`` tokens per row over ``cache`` can write it in place: a plain
+        float32 :class:`KVCache` where the native kernel serves (``cpu_attention.in_place_applies``)."""
+        from dayzero.kernels import cpu_attention
+
+        return isinstance(cache, KVCache) and cpu_attention.in_place_applies(cache.k[0], cache.v[0], T)
+
+    @property
+    def lengths(self) -> jax.Array:
+        """Each row's length [B] before this step."""
+        return self.cache.lengths
+
+    @property
+    def rope_len(self) -> jax.Array:
+        """The longest sequence seen before this step."""
+        return self.cache.rope_len
+
+    @property
+    def max_len(self) -> int:
+        """S, the positions each row can hold."""
+        return self.cache.max_len
+
+    def layer(self, i: int, after: jax.Array | None = None) -> InPlaceLayer:
+        """Layer ``i``'s cache for its attention block (``after`` is not needed)."""
+        return InPlaceLayer(self.cache.k[i], self.cache.v[i], self.cache.lengths, self.num_new, self.windows[i])
+
+    def written(self, new: list[tuple[jax.Array, jax.Array]], rope_len: jax.Array) -> KVCache:
+        """The cache with every layer's (keys, values) as its block wrote them, lengths advanced."""
+        return KVCache(k=tuple(n[0] for n in new), v=tuple(n[1] for n in new),
+                       lengths=self.cache.lengths + self.num_new, rope_len=rope_len)
 
 
 def cache_specs(config: ModelConfig, batch: int, max_len: int,

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dayzero.model import hyper
-from dayzero.model.cache import CacheView, NewKV, NewLatent, fold_blocks, read_block
+from dayzero.model.cache import CacheView, InPlaceKVCache, InPlaceLayer, NewKV, NewLatent, fold_blocks, read_block
 from dayzero.model.compressed import CompressedFrame, compressed_block
 from dayzero.model.compressed_cache import NewCompressed
 from dayzero.model.config import AttentionKind, CompressKind, ModelConfig
@@ -166,7 +166,9 @@ def attention_block(
 
     A kernel layer (``dayzero.model.kernel_attention``) attends on the kernels instead: over the
     new keys only (a first prefill), or over its pages, written first, whose written (key pages,
-    value pages) are then returned in place of the new keys/values."""
+    value pages) are then returned in place of the new keys/values. So does an
+    :class:`~dayzero.model.cache.InPlaceLayer` (a contiguous float32 cache on single-device CPU,
+    written and read in one native call)."""
     q, k, v = linear(x, w.q), linear(x, w.k), linear(x, w.v)
     if w.q_bias is not None:
         q, k, v = q + w.q_bias, k + w.k_bias, v + w.v_bias
@@ -177,7 +179,7 @@ def attention_block(
         k = rms_norm(k, w.k_norm, config.rms_norm_eps, axes, config.norm_weight_offset)
     cos, sin = cos_sin
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if isinstance(layer_cache, KernelLayer):
+    if isinstance(layer_cache, KernelLayer) or isinstance(layer_cache, InPlaceLayer):
         out, new = layer_cache.attend(q, k, v, w.sinks)
     else:
         k_cache, v_cache = (None, None) if layer_cache is None else layer_cache
@@ -310,7 +312,8 @@ def forward(
     to each other on the kernels (``dayzero.model.kernel_attention``; on a mesh, per device
     inside ``shard_map`` over the head split). A
     :class:`~dayzero.model.kernel_attention.PagedKernelCache` (a step on the paged kernels,
-    which carries its own mode) is returned written, in place of the new keys/values.
+    which carries its own mode) is returned written, in place of the new keys/values; so is an
+    :class:`~dayzero.model.cache.InPlaceKVCache` (single-device CPU decode, as a ``KVCache``).
     ``images`` (Qwen3-VL, Qwen3.5, Kimi-K2.5; ``dayzero.model.mrope``): image embeddings written
     over their placeholders' token embeddings, DeepStack features added after the first layers, and
     the tokens' M-RoPE positions [3, B, T] used by every attention layer in place of the cache
@@ -387,7 +390,7 @@ def forward(
 def _additions(config: ModelConfig, cache, new: list, num_new: jax.Array, rope_len: jax.Array):
     """What the attention layers' ``new`` (per layer, as ``decoder_layer`` returns it) add to
     ``cache``, in the cache's form (a kernel view: its pages, which the blocks wrote)."""
-    if isinstance(cache, PagedKernelCache):  # the blocks wrote the pages themselves
+    if isinstance(cache, (PagedKernelCache, InPlaceKVCache)):  # the blocks wrote the cache themselves
         return cache.written(new, rope_len)
     if config.compressed is not None:
         return NewCompressed(layers=tuple(new), num_new=num_new, rope_len=rope_len)
