@@ -5,9 +5,9 @@ builds its comparison tables from the same pieces).
 Every run generates the same number of greedy tokens with EOS ignored, so plain and speculative
 runs emit the same tokens (checked: ``same_tokens``). A first run compiles; the best of
 ``repeats`` timed runs counts. The time to the first token (prefill, and the drafter's own
-prefill: a draft model's, or the MTP drafter's pass for the prompt's hidden states) is measured
-on a one-token run and subtracted: decode_tok_s = rows x (new tokens - 1) / (time after the
-first token). acceptance_rate = accepted / drafted over every row (0.0 when nothing was
+prefill: a draft model's, or the MTP drafter's pass for the prompt's hidden states) is stamped
+inside each run (a one-token run's time is subtracted only for an engine without a tokenizer):
+decode_tok_s = rows x (new tokens - 1) / (time after the first token). acceptance_rate = accepted / drafted over every row (0.0 when nothing was
 drafted); tokens_per_step = tokens after the first / decode steps, over every row.
 """
 
@@ -18,20 +18,35 @@ from typing import Any, Sequence
 
 from dayzero.engine.speculative import SpecConfig
 
-__all__ = ["bench_speculative", "decode_rate", "measure", "spec_line", "timed"]
+__all__ = ["bench_speculative", "decode_rate", "measure", "spec_line", "timed", "timed_split"]
 
 
 def timed(engine, prompts: str | Sequence, new: int, spec: SpecConfig | None, repeats: int, chat: bool = False):
     """(best seconds, completion or completions) of ``repeats`` runs of ``engine.generate`` after
     a compiling one (``prompts``: one prompt or a batch, as ``generate`` takes them)."""
+    best, _, _, out = timed_split(engine, prompts, new, spec, repeats, chat)
+    return best, out
+
+
+def timed_split(engine, prompts: str | Sequence, new: int, spec: SpecConfig | None, repeats: int,
+                chat: bool = False):
+    """:func:`timed` with the first token's time taken inside the same runs: (best seconds, best
+    seconds to the first token, best seconds after it, completions); the two splits are None for
+    an engine without a tokenizer (``generate``'s ``on_text``, which stamps them, needs one)."""
     run = dict(chat=chat, max_new_tokens=new, ignore_eos=True, speculative=spec)
     out = engine.generate(prompts, **run)
-    best = float("inf")
+    best = to_first = after_first = float("inf")
     for _ in range(repeats):
+        first: list[float] = []
         start = time.perf_counter()
-        out = engine.generate(prompts, **run)
-        best = min(best, time.perf_counter() - start)
-    return best, out
+        out = engine.generate(prompts, **run, on_text=lambda row, text: first or first.append(time.perf_counter()))
+        end = time.perf_counter()
+        best = min(best, end - start)
+        if first:
+            to_first, after_first = min(to_first, first[0] - start), min(after_first, end - first[0])
+    if after_first == float("inf"):
+        return best, None, None, out
+    return best, to_first, after_first, out
 
 
 def decode_rate(new_tokens: int, seconds: float, ttft: float, rows: int = 1) -> float:
@@ -43,11 +58,17 @@ def measure(engine, prompts: str | Sequence, new: int, spec: SpecConfig | None, 
             chat: bool = False) -> dict[str, Any]:
     """One configuration (``spec`` None: plain decoding) on ``prompts``: its seconds, time to the
     first token, decode rate, the token ids it emitted, and with ``spec`` its draft counts,
-    acceptance rate and tokens per step (summed over the rows)."""
-    ttft, _ = timed(engine, prompts, 1, spec, repeats, chat)
-    secs, out = timed(engine, prompts, new, spec, repeats, chat)
+    acceptance rate and tokens per step (summed over the rows).
+
+    The time after the first token is measured inside the same runs where the engine has a
+    tokenizer: subtracting a separate one-token run's time could come out negative where a few
+    decode steps take less than the runs' noise (a tiny model). Without one, that subtraction."""
+    secs, ttft, after_first, out = timed_split(engine, prompts, new, spec, repeats, chat)
+    if after_first is None:
+        ttft, _ = timed(engine, prompts, 1, spec, repeats, chat)
+        after_first = secs - ttft
     outs = out if isinstance(out, list) else [out]
-    row = dict(seconds=secs, ttft_s=ttft, decode_tok_s=decode_rate(new, secs, ttft, len(outs)),
+    row = dict(seconds=secs, ttft_s=ttft, decode_tok_s=decode_rate(new, after_first, 0.0, len(outs)),
                token_ids=[o.token_ids for o in outs])
     if spec is None:
         return dict(row, drafted=0, accepted=0, acceptance_rate=None, tokens_per_step=1.0)
