@@ -360,20 +360,18 @@ ffi::Error AttentionInPlace(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::
       }
   CacheStats(pool, d, qg.data(), keys, values, reinterpret_cast<const bool*>(mask.data()), m.data(), l.data(),
              o.data());
-  // o / l back in [B,T,N,H]; a sink joins the denominator as a key of value zero (-inf: none).
+  // o / l back in [B,T,N,H]. A sink joins as statistics (sink, 1, 0): a key of value zero, merged
+  // like any piece (MergeInto skips a sink of -inf: none).
   const float* sink = sinks.typed_data();
+  const float one = 1.0f;
+  const std::vector<float> zeros(H, 0.0f);
   float* y = out->typed_data();
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t)
       for (int64_t n = 0; n < N; ++n) {
         const int64_t r = (b * K + n / G) * G * T + (n % G) * T + t;
-        float top = m[r], sum = l[r], keep = 1.0f;
-        if (sink[n] != kNegInf) {
-          top = std::max(top, sink[n]);
-          keep = m[r] == kNegInf ? 0.0f : std::exp(m[r] - top);
-          sum = sum * keep + std::exp(sink[n] - top);
-        }
-        const float inverse = sum > 0 ? keep / sum : 0.0f;
+        MergeInto(&m[r], &l[r], &o[r * H], &sink[n], &one, zeros.data(), 1, H);
+        const float inverse = l[r] > 0 ? 1.0f / l[r] : 0.0f;
         float* to = y + ((b * T + t) * N + n) * H;
         for (int64_t h = 0; h < H; ++h) to[h] = o[r * H + h] * inverse;
       }

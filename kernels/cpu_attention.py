@@ -42,10 +42,8 @@ MAX_QUERY_TOKENS = 8
 def applies(q: jax.Array, keys, values, keys_token_major: bool) -> bool:
     """Whether :func:`cached_stats` serves queries ``q`` [B,T,N,H] over this cache: single-device
     CPU with the native kernels built, float32 arrays (not quantized) in the contiguous layout,
-    at most ``MAX_QUERY_TOKENS`` tokens per row."""
-    return (not keys_token_major and isinstance(keys, jax.Array) and isinstance(values, jax.Array)
-            and keys.dtype == values.dtype == q.dtype == jnp.float32 and q.shape[1] <= MAX_QUERY_TOKENS
-            and cpu_matvec.single_device_cpu() and cpu_matvec.available())
+    at most ``MAX_QUERY_TOKENS`` tokens per row (the cache as :func:`in_place_applies` takes it)."""
+    return not keys_token_major and q.dtype == jnp.float32 and in_place_applies(keys, values, q.shape[1])
 
 
 def cached_stats(qg: jax.Array, keys: jax.Array, values: jax.Array, mask: jax.Array) -> Stats:
