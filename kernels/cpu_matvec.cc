@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <vector>
+#include "cpu_kernels.h"
 #include "cpu_parallel.h"
 #include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -24,24 +25,22 @@ namespace {
 using W = int8_t;  // the weights' element type
 
 // Rows of w a part streams per pass: the partial sums are read and written once per kRows rows.
-constexpr int64_t kRows = 8;
+constexpr int64_t kRows = dayzero::kProductRows;
 
-// acc[M,N] += x[:, k0:k1] @ w[k0:k1, :], streaming w's rows in order (contiguous reads).
+// acc[M,N] += x[:, k0:k1] @ w[k0:k1, :], each pass taking one row from each eighth of the range
+// (eight contiguous streams, as RowsF32 says why), the last (k1 - k0) % kRows rows one at a time.
 void Rows(const float* x, const W* __restrict w, float* __restrict acc, int64_t M, int64_t K, int64_t N, int64_t k0,
           int64_t k1) {
-  int64_t k = k0;
-  for (; k + kRows <= k1; k += kRows) {
-    const W* __restrict w0 = w + k * N;
-    const W* __restrict w1 = w0 + N;
-    const W* __restrict w2 = w1 + N;
-    const W* __restrict w3 = w2 + N;
-    const W* __restrict w4 = w3 + N;
-    const W* __restrict w5 = w4 + N;
-    const W* __restrict w6 = w5 + N;
-    const W* __restrict w7 = w6 + N;
+  const int64_t stride = (k1 - k0) / kRows;
+  for (int64_t j = 0; j < stride; ++j) {
+    const W* __restrict rows[kRows];
+    for (int r = 0; r < kRows; ++r) rows[r] = w + (k0 + r * stride + j) * N;
+    const W *w0 = rows[0], *w1 = rows[1], *w2 = rows[2], *w3 = rows[3], *w4 = rows[4], *w5 = rows[5], *w6 = rows[6],
+            *w7 = rows[7];
     for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K + k;
-      const float x0 = xm[0], x1 = xm[1], x2 = xm[2], x3 = xm[3], x4 = xm[4], x5 = xm[5], x6 = xm[6], x7 = xm[7];
+      const float* xm = x + m * K + k0 + j;
+      const float x0 = xm[0], x1 = xm[stride], x2 = xm[2 * stride], x3 = xm[3 * stride], x4 = xm[4 * stride],
+                  x5 = xm[5 * stride], x6 = xm[6 * stride], x7 = xm[7 * stride];
       float* __restrict a = acc + m * N;
       int64_t n = 0;
 #if DAYZERO_SIMD
@@ -51,7 +50,6 @@ void Rows(const float* x, const W* __restrict w, float* __restrict acc, int64_t 
       // per column; bench/quant.py).
       using dayzero::kLanes;
       constexpr int kVecs = 32 / kLanes;
-      const W* rows[kRows] = {w0, w1, w2, w3, w4, w5, w6, w7};
       const dayzero::Vec xr[kRows] = {dayzero::Broadcast(x0), dayzero::Broadcast(x1), dayzero::Broadcast(x2),
                                       dayzero::Broadcast(x3), dayzero::Broadcast(x4), dayzero::Broadcast(x5),
                                       dayzero::Broadcast(x6), dayzero::Broadcast(x7)};
@@ -70,6 +68,7 @@ void Rows(const float* x, const W* __restrict w, float* __restrict acc, int64_t 
                 (x6 * static_cast<float>(w6[n]) + x7 * static_cast<float>(w7[n])));
     }
   }
+  int64_t k = k0 + kRows * stride;
   for (; k < k1; ++k)
     for (int64_t m = 0; m < M; ++m) {
       const float xv = x[m * K + k];
@@ -140,33 +139,57 @@ void RowsI4(const float* x, const uint8_t* __restrict w, const float* __restrict
                          _mm512_fmadd_ps(odd_sum, _mm512_permutex2var_ps(s0, odds, s1), _mm512_loadu_ps(a + n + 16)));
       }
 #elif DAYZERO_SIMD
-      // AVX2: 16 columns (8 bytes of each row) per step, each byte widened to a 32-bit lane and
-      // its nibbles sign-extended ((v ^ 8) - 8; no 16-entry table lookup here) and converted.
-      // Sums split into evens and odds as above, the next pass prefetched as above.
-      const __m256i low = _mm256_set1_epi32(0x0F), eight = _mm256_set1_epi32(8);
+      // AVX2: 32 columns (16 bytes of each row) per step, as two blocks of 16 (kSplit), each
+      // byte widened to a 32-bit lane. A nibble v becomes a float without a conversion: the bits
+      // of v ^ 8 (0-15, the two's complement value plus 8) under the exponent of 2^23 read as
+      // 2^23 + 8 + value, and one subtraction leaves the value. Four sums (two blocks, evens and
+      // odds) in flight rather than two: the FMA chains of one block were what held it back.
+      // SmolLM2 int4-all decode (bench/quant.py, one run): 1.69x fp32 with one block of 16 and
+      // a conversion, after fp32 took the interleaved rows (RowsF32); see NOTES for this one.
+      const __m256i low = _mm256_set1_epi32(0x0F), magic_bits = _mm256_set1_epi32(0x4B000008);
+      const __m256 magic = _mm256_set1_ps(8388616.0f);  // 2^23 + 8
       const __m256i by_parity = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+      auto value = [&](__m256i nibbles) {
+        return _mm256_sub_ps(_mm256_castsi256_ps(_mm256_xor_si256(nibbles, magic_bits)), magic);
+      };
+      // acc's block of 16 at column c += the block's evens and odds sums times their scales
+      // (each 8 scales as [evens, odds], then the two halves' evens together and odds together).
+      auto scaled = [&](int64_t c, __m256 even, __m256 odd) {
+        const __m256 s0 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + c), by_parity);
+        const __m256 s1 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + c + 8), by_parity);
+        _mm256_storeu_ps(a + c, _mm256_fmadd_ps(even, _mm256_permute2f128_ps(s0, s1, 0x20), _mm256_loadu_ps(a + c)));
+        _mm256_storeu_ps(a + c + 8,
+                         _mm256_fmadd_ps(odd, _mm256_permute2f128_ps(s0, s1, 0x31), _mm256_loadu_ps(a + c + 8)));
+      };
       __m256 xr[kRows];
       for (int r = 0; r < kRows; ++r) xr[r] = _mm256_set1_ps(xm[r]);
-      for (; n + kSplit <= N; n += kSplit) {
-        __m256 even_sum = _mm256_setzero_ps(), odd_sum = _mm256_setzero_ps();
+      for (; n + 2 * kSplit <= N; n += 2 * kSplit) {
+        __m256 even0 = _mm256_setzero_ps(), odd0 = _mm256_setzero_ps();
+        __m256 even1 = _mm256_setzero_ps(), odd1 = _mm256_setzero_ps();
         if (n % 128 == 0 && k + kRows < k1)
           for (int r = 0; r < kRows; ++r)
             _mm_prefetch(reinterpret_cast<const char*>(rows + (r + kRows) * row_bytes + n / 2), _MM_HINT_T0);
         for (int r = 0; r < kRows; ++r) {
+          const uint8_t* p = rows + r * row_bytes + n / 2;
+          const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+          const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+          even0 = _mm256_fmadd_ps(xr[r], value(_mm256_and_si256(b0, low)), even0);
+          odd0 = _mm256_fmadd_ps(xr[r], value(_mm256_srli_epi32(b0, 4)), odd0);
+          even1 = _mm256_fmadd_ps(xr[r], value(_mm256_and_si256(b1, low)), even1);
+          odd1 = _mm256_fmadd_ps(xr[r], value(_mm256_srli_epi32(b1, 4)), odd1);
+        }
+        scaled(n, even0, odd0), scaled(n + kSplit, even1, odd1);
+      }
+      if (n + kSplit <= N) {  // a last block of 16 (N % 32 >= 16): the same, alone
+        __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
+        for (int r = 0; r < kRows; ++r) {
           const __m256i b = _mm256_cvtepu8_epi32(
               _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rows + r * row_bytes + n / 2)));
-          const __m256i even = _mm256_sub_epi32(_mm256_xor_si256(_mm256_and_si256(b, low), eight), eight);
-          const __m256i odd = _mm256_sub_epi32(_mm256_xor_si256(_mm256_srli_epi32(b, 4), eight), eight);
-          even_sum = _mm256_fmadd_ps(xr[r], _mm256_cvtepi32_ps(even), even_sum);
-          odd_sum = _mm256_fmadd_ps(xr[r], _mm256_cvtepi32_ps(odd), odd_sum);
+          even = _mm256_fmadd_ps(xr[r], value(_mm256_and_si256(b, low)), even);
+          odd = _mm256_fmadd_ps(xr[r], value(_mm256_srli_epi32(b, 4)), odd);
         }
-        // Each 8 scales as [evens, odds], then the two halves' evens together and odds together.
-        const __m256 s0 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + n), by_parity);
-        const __m256 s1 = _mm256_permutevar8x32_ps(_mm256_loadu_ps(s + n + 8), by_parity);
-        _mm256_storeu_ps(a + n,
-                         _mm256_fmadd_ps(even_sum, _mm256_permute2f128_ps(s0, s1, 0x20), _mm256_loadu_ps(a + n)));
-        _mm256_storeu_ps(a + n + 8,
-                         _mm256_fmadd_ps(odd_sum, _mm256_permute2f128_ps(s0, s1, 0x31), _mm256_loadu_ps(a + n + 8)));
+        scaled(n, even, odd);
+        n += kSplit;
       }
 #endif
       for (; n < N; ++n) {  // every column without vectors, else the last N % kSplit
@@ -182,19 +205,32 @@ void RowsI4(const float* x, const uint8_t* __restrict w, const float* __restrict
   }
 }
 
+}  // namespace
+
+namespace dayzero {
+
 // acc[M,N] += x[:, k0:k1] @ w[k0:k1, :] for float32 w, kRows rows per pass (k0 and k1 - k0 are
 // multiples of kRows; the caller checks). Each 32 columns' partial sums stay in registers through
 // the pass (two with AVX-512, four with AVX2; cpu_simd.h). With AVX-512, XLA:CPU's own dot of the
 // same few-row products read the weights 1.3x slower (30 layers of SmolLM2's projections and the
 // head, all read from memory, min of 60: 12.5-15.0 ms against 16.9-17.5 ms); prefetching the next
-// pass, as the int4 kernel does, did not help here (a float row is 2.3-196 KB, long enough for the
-// hardware prefetchers).
+// pass, as the int4 kernel does, did not help here.
+//
+// The pass's rows are not consecutive but one from each eighth of [k0, k1) (Streams): each of the
+// eight reads goes through its own contiguous stretch of memory, which the hardware prefetchers
+// follow, where eight consecutive rows of a short matrix (a SmolLM2 row of 576 floats is 2.3 KB)
+// restart all eight streams every pass. SmolLM2's decode on a 2-core AMD EPYC (AVX2), in one
+// process: 18.8 ms a token against 20.8 with consecutive rows (best of 8 runs each, interleaved).
 void RowsF32(const float* x, const float* __restrict w, float* __restrict acc, int64_t M, int64_t K, int64_t N,
              int64_t k0, int64_t k1) {
-  for (int64_t k = k0; k < k1; k += kRows) {
-    const float* __restrict rows = w + k * N;
+  constexpr int64_t kRows = kProductRows;
+  const int64_t stride = (k1 - k0) / kRows;  // rows per stream: pass j reads rows k0 + r * stride + j
+  for (int64_t j = 0; j < stride; ++j) {
+    const float* __restrict row[kRows];
+    for (int r = 0; r < kRows; ++r) row[r] = w + (k0 + r * stride + j) * N;
     for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K + k;
+      float xm[kRows];
+      for (int r = 0; r < kRows; ++r) xm[r] = x[m * K + k0 + r * stride + j];
       float* __restrict a = acc + m * N;
       int64_t n = 0;
 #if DAYZERO_SIMD
@@ -207,18 +243,24 @@ void RowsF32(const float* x, const float* __restrict w, float* __restrict acc, i
         for (int c = 0; c < kVecs; ++c) sums[c] = dayzero::Load(a + n + c * kLanes);
         for (int r = 0; r < kRows; ++r)
           for (int c = 0; c < kVecs; ++c)
-            sums[c] = dayzero::MulAdd(xr[r], dayzero::Load(rows + r * N + n + c * kLanes), sums[c]);
+            sums[c] = dayzero::MulAdd(xr[r], dayzero::Load(row[r] + n + c * kLanes), sums[c]);
         for (int c = 0; c < kVecs; ++c) dayzero::Store(a + n + c * kLanes, sums[c]);
       }
 #endif
       for (; n < N; ++n) {  // every column without vectors, else the last N % 32
         float sum = a[n];
-        for (int r = 0; r < kRows; ++r) sum += xm[r] * rows[r * N + n];
+        for (int r = 0; r < kRows; ++r) sum += xm[r] * row[r][n];
         a[n] = sum;
       }
     }
   }
 }
+
+}  // namespace dayzero
+
+namespace {
+
+using dayzero::RowsF32;
 
 // Sums parts of w's rows (ranges whose boundaries are multiples of ``align`` rows, each summed
 // into its own partial by ``rows``) on the pool and the calling thread into y[M,N], times

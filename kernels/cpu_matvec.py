@@ -61,18 +61,21 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_matvec.cc")
-# Built into the same library: the decode attention (``kernels.cpu_attention``) and their shared
-# work-sharing header.
-SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"))
-HEADERS = (SOURCE.with_name("cpu_parallel.h"), SOURCE.with_name("cpu_simd.h"))
+# Built into the same library: the decode attention (``kernels.cpu_attention``), the decoder layer
+# (``kernels.cpu_layer``) and their shared headers.
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"), SOURCE.with_name("cpu_layer.cc"))
+HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_parallel.h", "cpu_simd.h", "cpu_kernels.h"))
 TARGET = "dayzero_matvec_i8"
 TARGET_INT4 = "dayzero_matvec_i4"
 TARGET_FLOAT32 = "dayzero_matvec_f32"
 TARGET_ATTENTION = "dayzero_cached_attention"
 TARGET_ATTENTION_IN_PLACE = "dayzero_attention_in_place"
+TARGET_DECODER_LAYER = "dayzero_decoder_layer"
 # -fopenmp-simd: the kernels' ``omp simd`` loops (reductions vectorized without -ffast-math); no
-# OpenMP runtime is linked.
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-shared", "-fPIC", "-w")
+# OpenMP runtime is linked. -fno-trapping-math: GCC otherwise keeps a loop one element at a time
+# where it converts floats to integers (the attention's exp: no vector conversion in the library
+# at all without it); the arithmetic is unchanged (no reassociation, no fast math).
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-fopenmp-simd", "-fno-trapping-math", "-shared", "-fPIC", "-w")
 BUILD_TIMEOUT_S = 300
 
 _lock = threading.Lock()
@@ -142,7 +145,8 @@ def _build(path: Path) -> None:
 
 def _register(path: Path) -> None:
     library = ctypes.cdll.LoadLibrary(str(path))
-    for target in (TARGET, TARGET_INT4, TARGET_FLOAT32, TARGET_ATTENTION, TARGET_ATTENTION_IN_PLACE):
+    for target in (TARGET, TARGET_INT4, TARGET_FLOAT32, TARGET_ATTENTION, TARGET_ATTENTION_IN_PLACE,
+                   TARGET_DECODER_LAYER):
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, target)), platform="cpu")
 
 

@@ -1,5 +1,6 @@
-// Work sharing for the native CPU kernels (cpu_matvec.cc, cpu_attention.cc): a call's items are
-// claimed from a shared counter by the calling thread and by tasks put on XLA's intra-op pool.
+// Work sharing for the native CPU kernels (cpu_matvec.cc, cpu_attention.cc, cpu_layer.cc): a call's
+// items are claimed from a shared counter by the calling thread and by tasks put on XLA's intra-op
+// pool.
 #ifndef DAYZERO_KERNELS_CPU_PARALLEL_H_
 #define DAYZERO_KERNELS_CPU_PARALLEL_H_
 
@@ -9,6 +10,7 @@
 #include <functional>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -45,6 +47,47 @@ inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count, int64_t worke
   for (int64_t t = 1; t < workers; ++t) pool.Schedule([items] { items->Work(); });
   items->Work();
   while (items->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
+}
+
+// One stage of RunPhases: ``count`` items, run(i) for each, in any order and on any thread.
+struct Phase {
+  int64_t count;
+  std::function<void(int64_t)> run;
+};
+
+// The state of one RunPhases call, shared with the pool's tasks as Items is.
+struct PhasedItems {
+  std::vector<Phase> phases;
+  std::unique_ptr<std::atomic<int64_t>[]> next, done;
+
+  explicit PhasedItems(std::vector<Phase> list)
+      : phases(std::move(list)), next(new std::atomic<int64_t>[phases.size()]),
+        done(new std::atomic<int64_t>[phases.size()]) {
+    for (size_t p = 0; p < phases.size(); ++p) next[p] = 0, done[p] = 0;
+  }
+
+  void Work() {
+    for (size_t p = 0; p < phases.size(); ++p) {
+      const int64_t count = phases[p].count;
+      for (int64_t i; (i = next[p].fetch_add(1, std::memory_order_relaxed)) < count;) {
+        phases[p].run(i);
+        done[p].fetch_add(1, std::memory_order_release);
+      }
+      while (done[p].load(std::memory_order_acquire) < count) std::this_thread::yield();
+    }
+  }
+};
+
+// Runs ``phases`` in order, every item of one done before any of the next starts, on the caller
+// and up to workers - 1 tasks on ``pool``, which are handed off once for the whole list rather
+// than once per phase. As in ParallelFor the caller claims items too and a task that starts late
+// joins the phase under way (it finds the earlier ones done), so a busy pool cannot deadlock the
+// call: at worst the caller runs every item. Returns when the last phase is done.
+inline void RunPhases(xla::ffi::ThreadPool& pool, int64_t workers, std::vector<Phase> phases) {
+  auto items = std::make_shared<PhasedItems>(std::move(phases));
+  workers = std::min<int64_t>(workers, std::max<int64_t>(pool.num_threads(), 1));
+  for (int64_t t = 1; t < workers; ++t) pool.Schedule([items] { items->Work(); });
+  items->Work();
 }
 
 }  // namespace dayzero

@@ -35,7 +35,7 @@ from dayzero.model.mrope import ImageInput
 from dayzero.model.parallel import Parallel
 from dayzero.model.norm import rms_norm
 from dayzero.model.offload import stream_layer
-from dayzero.kernels import KernelMode, cpu_attention
+from dayzero.kernels import KernelMode, cpu_attention, cpu_layer
 from dayzero.kernels.tiles import Stats, finish_stats, masked_stats, merge_stats
 from dayzero.model.kernel_attention import HeadSplit, KernelLayer, NewTokensLayer, PagedKernelCache
 from dayzero.model.quant import QuantizedArray, as_stored, dequantized
@@ -241,7 +241,14 @@ def decoder_layer(
     tokens; with hyper-connections (``config.hyper``) ``x`` is the residual streams [B,T,n,D].
     A linear layer's ``layer_cache`` is its ``LinearState`` (None: a fresh sequence), and what it
     adds is its new state.
+
+    A decode step over an :class:`~dayzero.model.cache.InPlaceLayer` of a plain Llama-family
+    layer (``kernels.cpu_layer.applies``: single-device CPU, float32) runs the whole layer as one
+    native call instead; these ops are its reference.
     """
+    if frame is None and config.attention is AttentionKind.GQA and cpu_layer.applies(w, x, layer_cache, cos_sin[0]):
+        out, new = cpu_layer.decoder_layer(w, x, cos_sin, layer_cache, config.rms_norm_eps, config.norm_weight_offset)
+        return out, new, picks
     h, mixing = _enter(w.attn_hc, w.attn_norm, config, x)
     if isinstance(frame, LinearFrame):  # a hybrid's linear layer: its state in, its new state out
         attn_out, new = linear_attn_block(w.attn, config, h, layer_cache, frame.num_new, frame.kernels)

@@ -183,7 +183,7 @@ def test_engine_decodes_in_place_without_copying_the_cache(native, tiny_model, m
     step = engine._decode_in_place.lower(engine.weights, tokens[:, None], jnp.ones((1,), jnp.int32), rows,
                                          jnp.int32(1), mode=mode, cache=cache).compile()
     assert step.memory_analysis().temp_size_in_bytes < cache.k[0].nbytes
-    assert cpu_matvec.TARGET_ATTENTION_IN_PLACE in step.as_text()
+    assert cpu_matvec.TARGET_DECODER_LAYER in step.as_text()  # the tiny llama takes the whole-layer call
     in_place = engine.generate(prompt, max_new_tokens=12, logprobs=True)
     assert any("in place" in key for key in engine._steps.signatures())
     monkeypatch.setattr(Engine, "_writes_in_place", lambda self, cache, T: False)

@@ -70,7 +70,7 @@ def _int4_weight(shape, group, seed=0):
 # 16, and sizes whose columns leave a tail after the 32-column vector steps (N=34, 98) or whose
 # last group is partial (K=72 in groups of 32).
 @pytest.mark.parametrize("shape, group", [((576, 576), 32), ((1536, 576), 32), ((576, 4100), 32),
-                                          ((576, 192), 128), ((64, 98), 16), ((72, 34), 32)])
+                                          ((576, 192), 128), ((64, 98), 16), ((72, 34), 32), ((64, 48), 32)])
 @pytest.mark.parametrize("rows", [1, 8])
 def test_native_int4_equals_the_reference(native, shape, group, rows):
     q = _int4_weight(shape, group)
