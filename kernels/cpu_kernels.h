@@ -40,6 +40,18 @@ constexpr int64_t kProductRows = 8;
 // acc[M,N] += x[:, k0:k1] @ w[k0:k1, :] for float32 x [M,K] and w [K,N] (cpu_matvec.cc).
 void RowsF32(const float* x, const float* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1);
 
+// acc[M,N] += x[:, k0:k1] @ w[k0:k1, :] for int8 w, unscaled (the caller scales each column).
+void RowsInt8(const float* x, const int8_t* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1);
+
+// acc[M,N] += x[:, k0:k1] @ (w[k0:k1, :] scaled by scale[k / group, :]) for int4 w packed two per
+// byte, acc's columns in Int4Column's order (k0 and group multiples of kProductRows).
+void RowsInt4(const float* x, const uint8_t* w, const float* scale, float* acc, int64_t M, int64_t K, int64_t N,
+              int64_t group, int64_t k0, int64_t k1);
+
+// The column whose sum RowsInt4 leaves at position p of a row of N: a permutation inside each
+// whole block of 16 or 32 columns (the vector width's, cpu_matvec.cc kSplit), the identity after.
+int64_t Int4Column(int64_t p, int64_t N);
+
 // The sizes of one in-place attention step: B rows of T new tokens, N query heads over K key
 // heads of H dims, S cache slots; ``window`` > 0 limits how far back a query sees.
 struct InPlaceShape {

@@ -1,10 +1,15 @@
 // A Llama-family decoder layer's decode step as one native call for XLA:CPU, through the XLA FFI
 // (dayzero/kernels/cpu_layer.py says when it is taken and what it replaces):
 //
-//   dayzero_decoder_layer: x[M,D], attn_norm[D], wq[D,N*H], wk[D,K*H], wv[D,K*H], wo[N*H,D],
-//     mlp_norm[D], w_gate[D,F], w_up[D,F], w_down[F,D], cos[M,R], sin[M,R], keys[B,K,H,S],
-//     values[B,K,S,H], starts[B], num_new[B] (int32; the rest float32); attributes eps,
-//     norm_offset, window -> y[M,D], keys, values (the cache results alias the cache operands)
+//   dayzero_decoder_layer: x[M,D], attn_norm[D], wq[D,N*H], sq, wk[D,K*H], sk, wv[D,K*H], sv,
+//     wo[N*H,D], so, mlp_norm[D], w_gate[D,F], s_gate, w_up[D,F], s_up, w_down[F,D], s_down,
+//     cos[M,R], sin[M,R], keys[B,K,H,S], values[B,K,S,H], starts[B], num_new[B] (int32; the
+//     rest float32 but the weights); attributes eps, norm_offset, window, groups[7]
+//     -> y[M,D], keys, values (the cache results alias the cache operands)
+//
+// Each weight w[In,Out] is float32 (its scale s unused), int8 with one scale per output column
+// (s[Out]), or int4 with one scale per ``group`` rows of each column (s[In/group, Out]; groups[i]
+// is weight i's group, 0 for the other kinds), as kernels/cpu_matvec.cc multiplies them.
 //
 // with M = B * T tokens (row b's T new tokens, num_new[b] of them real), computing
 //
@@ -13,7 +18,7 @@
 //   (k and v written into the cache at starts[b], then read with it);  x1 = x + attn @ wo;
 //   h2 = rms_norm(x1) * mlp_norm;  y = x1 + (silu(h2 @ w_gate) * (h2 @ w_up)) @ w_down
 //
-// (each norm's scale is norm_offset + weight). The products run in RowsF32's eight-row passes,
+// (each norm's scale is norm_offset + weight). The products run in cpu_matvec.cc's eight-row passes,
 // each weight split into row ranges that the threads claim, with the small steps between them
 // (norms, RoPE, the gating, the partial sums) as one-item phases: the whole layer is one
 // RunPhases call, handed to the pool's threads once, where the separate calls handed off at every
@@ -21,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 #include "cpu_kernels.h"
 #include "cpu_parallel.h"
@@ -38,27 +44,56 @@ constexpr int64_t kMinParallelWeights = 1 << 16;
 // Each product's parts come in this many sizes, halving: ``workers`` parts of each (see Split).
 constexpr int kPartSizes = 3;
 
+// One weight [K,N] as stored: float32, int8 (scale [N]) or int4 (scale [K/group, N]).
+struct Weight {
+  ffi::DataType type;
+  const void* data;
+  const float* scale;
+  int64_t group;
+};
+
 // y[M,N] = x[M,K] @ w[K,N], its K rows cut into ranges (bounds), each summed into its own partial
-// [M,N]; Finish adds the partials.
+// [M,N]; Finish adds the partials (and scales them by column for int8, and puts int4's columns
+// back in order).
 struct Product {
   const float* x;
-  const float* w;
+  Weight w;
   int64_t M, K, N;
   std::vector<int64_t> bounds{0, 0};
   std::vector<float> partials;
 
-  Product(const float* x, const float* w, int64_t M, int64_t K, int64_t N) : x(x), w(w), M(M), K(K), N(N) {}
+  Product(const float* x, Weight w, int64_t M, int64_t K, int64_t N) : x(x), w(w), M(M), K(K), N(N) {}
 
   int64_t parts() const { return static_cast<int64_t>(bounds.size()) - 1; }
 
-  void Part(int64_t p) { dayzero::RowsF32(x, w, partials.data() + p * M * N, M, K, N, bounds[p], bounds[p + 1]); }
+  void Part(int64_t p) {
+    float* acc = partials.data() + p * M * N;
+    if (w.type == ffi::DataType::S8)
+      dayzero::RowsInt8(x, static_cast<const int8_t*>(w.data), acc, M, K, N, bounds[p], bounds[p + 1]);
+    else if (w.type == ffi::DataType::S4)
+      dayzero::RowsInt4(x, static_cast<const uint8_t*>(w.data), w.scale, acc, M, K, N, w.group, bounds[p],
+                        bounds[p + 1]);
+    else
+      dayzero::RowsF32(x, static_cast<const float*>(w.data), acc, M, K, N, bounds[p], bounds[p + 1]);
+  }
 
-  // y = base + the partials' sum (base may be null: zero), over elements [begin, end) of M*N.
+  // y = base + the product (base may be null: zero), over elements [begin, end) of M*N (for
+  // int4, the partials' positions [begin, end): whole 32-column blocks keep Int4Column's
+  // permutation inside the range). By row and column: no division per element.
   void Finish(const float* base, float* y, int64_t begin = 0, int64_t end = -1) const {
-    for (int64_t i = begin; i < (end < 0 ? M * N : end); ++i) {
-      float sum = base == nullptr ? 0.0f : base[i];
-      for (int64_t p = 0; p < parts(); ++p) sum += partials[p * M * N + i];
-      y[i] = sum;
+    end = end < 0 ? M * N : end;
+    const int64_t MN = M * N;
+    for (int64_t row = begin / N; row < M && row * N < end; ++row) {
+      const int64_t first = std::max<int64_t>(begin - row * N, 0), last = std::min<int64_t>(end - row * N, N);
+      const float* in = base == nullptr ? nullptr : base + row * N;
+      float* out = y + row * N;
+      for (int64_t n = first; n < last; ++n) {
+        float sum = 0.0f;
+        for (int64_t p = 0; p < parts(); ++p) sum += partials[p * MN + row * N + n];
+        const int64_t column = w.type == ffi::DataType::S4 ? dayzero::Int4Column(n, N) : n;
+        if (w.type == ffi::DataType::S8) sum *= w.scale[column];
+        out[column] = in == nullptr ? sum : in[column] + sum;
+      }
     }
   }
 };
@@ -102,9 +137,11 @@ dayzero::Phase Parts(const std::vector<Product*>& products, int64_t workers) {
   return {count, [items = std::move(items)](int64_t i) { items[i].first->Part(items[i].second); }};
 }
 
-// A phase of ``workers`` items, run(begin, end) over equal slices of [0, count).
+// A phase of ``workers`` items, run(begin, end) over about equal slices of [0, count) that start
+// on multiples of 32 (an int4 product's Finish keeps whole blocks of columns in one slice).
 dayzero::Phase Slices(int64_t count, int64_t workers, std::function<void(int64_t, int64_t)> run) {
-  return {workers, [=, run = std::move(run)](int64_t i) { run(count * i / workers, count * (i + 1) / workers); }};
+  auto bound = [=](int64_t i) { return i == workers ? count : count * i / workers / 32 * 32; };
+  return {workers, [=, run = std::move(run)](int64_t i) { run(bound(i), bound(i + 1)); }};
 }
 
 // A phase of one item.
@@ -140,40 +177,70 @@ void Rope(float* x, const float* cos, const float* sin, int64_t M, int64_t heads
     }
 }
 
+// Weight i of the layer as a Weight, or an error naming what is wrong with it: ``w`` [In,Out]
+// float32, int8 with ``scale`` [Out], or int4 with ``scale`` [In/group, Out] (group a multiple of
+// 8 dividing In, Out a multiple of 32: the sums' order stays inside a slice, see Finish).
+ffi::ErrorOr<Weight> Check(const char* name, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scale, int64_t group, int64_t In,
+                           int64_t Out) {
+  const ffi::DataType type = w.element_type();
+  bool ok = w.element_count() == In * Out;
+  if (type == ffi::DataType::S8)
+    ok = ok && scale.element_count() == Out;
+  else if (type == ffi::DataType::S4)
+    ok = ok && group > 0 && group % kProductRows == 0 && In % group == 0 && Out % 32 == 0 &&
+         scale.element_count() == In / group * Out;
+  else
+    ok = ok && type == ffi::DataType::F32;
+  if (!ok) {
+    const std::string message = std::string("dayzero_decoder_layer: weight ") + name +
+                                " must be float32, int8 with a scale per column, or int4 with a scale per group "
+                                "of rows (see cpu_layer.cc)";
+    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(message));
+  }
+  return Weight{type, w.untyped_data(), scale.typed_data(), group};
+}
+
 ffi::Error DecoderLayer(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> attn_norm,
-                        ffi::Buffer<ffi::F32> wq, ffi::Buffer<ffi::F32> wk, ffi::Buffer<ffi::F32> wv,
-                        ffi::Buffer<ffi::F32> wo, ffi::Buffer<ffi::F32> mlp_norm, ffi::Buffer<ffi::F32> w_gate,
-                        ffi::Buffer<ffi::F32> w_up, ffi::Buffer<ffi::F32> w_down, ffi::Buffer<ffi::F32> cos,
-                        ffi::Buffer<ffi::F32> sin, ffi::Buffer<ffi::F32> keys_in, ffi::Buffer<ffi::F32> values_in,
-                        ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> num_new, ffi::ResultBuffer<ffi::F32> y,
+                        ffi::AnyBuffer wq, ffi::Buffer<ffi::F32> sq, ffi::AnyBuffer wk, ffi::Buffer<ffi::F32> sk,
+                        ffi::AnyBuffer wv, ffi::Buffer<ffi::F32> sv, ffi::AnyBuffer wo, ffi::Buffer<ffi::F32> so,
+                        ffi::Buffer<ffi::F32> mlp_norm, ffi::AnyBuffer w_gate, ffi::Buffer<ffi::F32> s_gate,
+                        ffi::AnyBuffer w_up, ffi::Buffer<ffi::F32> s_up, ffi::AnyBuffer w_down,
+                        ffi::Buffer<ffi::F32> s_down, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
+                        ffi::Buffer<ffi::F32> keys_in, ffi::Buffer<ffi::F32> values_in, ffi::Buffer<ffi::S32> starts,
+                        ffi::Buffer<ffi::S32> num_new, ffi::ResultBuffer<ffi::F32> y,
                         ffi::ResultBuffer<ffi::F32> keys_out, ffi::ResultBuffer<ffi::F32> values_out, float eps,
-                        float norm_offset, int64_t window) {
+                        float norm_offset, int64_t window, ffi::Span<const int64_t> groups) {
   const auto xd = x.dimensions(), qd = wq.dimensions(), kd = keys_in.dimensions(), gd = w_gate.dimensions(),
              cd = cos.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || kd.size() != 4 || gd.size() != 2 || cd.size() != 2)
+  if (xd.size() != 2 || qd.size() != 2 || kd.size() != 4 || gd.size() != 2 || cd.size() != 2 || groups.size() != 7)
     return ffi::Error::InvalidArgument("dayzero_decoder_layer: needs x[M,D], wq[D,N*H], w_gate[D,F], cos[M,R], "
-                                       "keys[B,K,H,S]");
+                                       "keys[B,K,H,S] and 7 groups");
   const int64_t M = xd[0], D = xd[1], B = starts.element_count(), K = kd[1], H = kd[2], S = kd[3];
   const int64_t NH = qd[1], KH = K * H, N = H > 0 ? NH / H : 0, F = gd[1], R = cd[1];
   if (B <= 0 || M % B || H <= 0 || NH % H || K <= 0 || N % K || R % 2 || R > H || D % kProductRows ||
       NH % kProductRows || F % kProductRows)
     return ffi::Error::InvalidArgument("dayzero_decoder_layer: needs M a multiple of B, N a multiple of K, an even "
                                        "R <= H, and D, N*H and F multiples of 8");
-  if (qd[0] != D || attn_norm.element_count() != D || mlp_norm.element_count() != D ||
-      wk.element_count() != D * KH || wv.element_count() != D * KH || wo.element_count() != NH * D ||
-      gd[0] != D || w_up.element_count() != D * F || w_down.element_count() != F * D || cd[0] != M ||
-      sin.element_count() != M * R || values_in.element_count() != B * K * S * H || num_new.element_count() != B)
+  if (qd[0] != D || attn_norm.element_count() != D || mlp_norm.element_count() != D || gd[0] != D ||
+      cd[0] != M || sin.element_count() != M * R || values_in.element_count() != B * K * S * H ||
+      num_new.element_count() != B)
     return ffi::Error::InvalidArgument("dayzero_decoder_layer: shapes disagree (see cpu_layer.cc)");
+  const ffi::ErrorOr<Weight> checked[7] = {
+      Check("q", wq, sq, groups[0], D, NH),          Check("k", wk, sk, groups[1], D, KH),
+      Check("v", wv, sv, groups[2], D, KH),          Check("o", wo, so, groups[3], NH, D),
+      Check("gate", w_gate, s_gate, groups[4], D, F), Check("up", w_up, s_up, groups[5], D, F),
+      Check("down", w_down, s_down, groups[6], F, D)};
+  for (const auto& c : checked)
+    if (c.has_error()) return c.error();
   const int64_t T = M / B;
   const int64_t weights = D * (NH + 2 * KH) + NH * D + 3 * D * F;
   const int64_t workers = weights < kMinParallelWeights ? 1 : std::max<int64_t>(pool.num_threads(), 1);
 
   const float* xp = x.typed_data();
   std::vector<float> h(M * D), q(M * NH), k(M * KH), v(M * KH), attn(M * NH), x1(M * D), gate(M * F), up(M * F);
-  Product pq(h.data(), wq.typed_data(), M, D, NH), pk(h.data(), wk.typed_data(), M, D, KH),
-      pv(h.data(), wv.typed_data(), M, D, KH), po(attn.data(), wo.typed_data(), M, NH, D),
-      pg(h.data(), w_gate.typed_data(), M, D, F), pu(h.data(), w_up.typed_data(), M, D, F),
-      pd(gate.data(), w_down.typed_data(), M, F, D);
+  Product pq(h.data(), *checked[0], M, D, NH), pk(h.data(), *checked[1], M, D, KH),
+      pv(h.data(), *checked[2], M, D, KH), po(attn.data(), *checked[3], M, NH, D),
+      pg(h.data(), *checked[4], M, D, F), pu(h.data(), *checked[5], M, D, F), pd(gate.data(), *checked[6], M, F, D);
   // The cache is read and written through the results, which alias the cache operands.
   dayzero::InPlaceAttention attention({B, T, N, K, H, S, window}, starts.typed_data(), num_new.typed_data(),
                                       workers);
@@ -217,14 +284,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dayzero_decoder_layer, DecoderLayer,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // attn_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wq
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wk
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wv
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // wo
+                                  .Arg<ffi::AnyBuffer>()         // wq
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sq
+                                  .Arg<ffi::AnyBuffer>()         // wk
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sk
+                                  .Arg<ffi::AnyBuffer>()         // wv
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sv
+                                  .Arg<ffi::AnyBuffer>()         // wo
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // so
                                   .Arg<ffi::Buffer<ffi::F32>>()  // mlp_norm
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_up
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // w_down
+                                  .Arg<ffi::AnyBuffer>()         // w_gate
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // s_gate
+                                  .Arg<ffi::AnyBuffer>()         // w_up
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // s_up
+                                  .Arg<ffi::AnyBuffer>()         // w_down
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // s_down
                                   .Arg<ffi::Buffer<ffi::F32>>()  // cos
                                   .Arg<ffi::Buffer<ffi::F32>>()  // sin
                                   .Arg<ffi::Buffer<ffi::F32>>()  // keys
@@ -236,4 +310,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(dayzero_decoder_layer, DecoderLayer,
                                   .Ret<ffi::Buffer<ffi::F32>>()  // values
                                   .Attr<float>("eps")
                                   .Attr<float>("norm_offset")
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<ffi::Span<const int64_t>>("groups"));

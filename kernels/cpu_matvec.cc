@@ -256,6 +256,17 @@ void RowsF32(const float* x, const float* __restrict w, float* __restrict acc, i
   }
 }
 
+void RowsInt8(const float* x, const int8_t* w, float* acc, int64_t M, int64_t K, int64_t N, int64_t k0, int64_t k1) {
+  ::Rows(x, w, acc, M, K, N, k0, k1);
+}
+
+void RowsInt4(const float* x, const uint8_t* w, const float* scale, float* acc, int64_t M, int64_t K, int64_t N,
+              int64_t group, int64_t k0, int64_t k1) {
+  ::RowsI4(x, w, scale, acc, M, K, N, group, k0, k1);
+}
+
+int64_t Int4Column(int64_t p, int64_t N) { return ::SplitColumn(p, N); }
+
 }  // namespace dayzero
 
 namespace {

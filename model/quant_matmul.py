@@ -73,14 +73,13 @@ def linear(x: jax.Array, w, n_in: int = 1, out_dtype=None) -> jax.Array:
                              f"{tuple(range(n_in))}, got {w.in_axes}")
         if _tiled_here() and rows <= TILED_MAX_ROWS:
             x2 = x.reshape(rows, n_rows_in)
-            n_out = math.prod(out_dims)
-            if _native_int8(w, n_rows_in):
-                y = cpu_matvec.matvec_int8(x2, w.values.reshape(n_rows_in, -1), w.scale.reshape(-1)).astype(out_dtype)
-            elif _native_int4(w, n_rows_in, n_out):
-                y = cpu_matvec.matvec_int4(x2, w.values.reshape(n_rows_in, n_out), w.scale.reshape(-1, n_out),
-                                           w.block[0]).astype(out_dtype)
+            native = native_matrix(w, n_in)
+            if native is None:
+                y = _tiled(x2.astype(out_dtype), w, n_rows_in, math.prod(out_dims))
+            elif native[2] == 0:
+                y = cpu_matvec.matvec_int8(x2, native[0], native[1]).astype(out_dtype)
             else:
-                y = _tiled(x2.astype(out_dtype), w, n_rows_in, n_out)
+                y = cpu_matvec.matvec_int4(x2, *native).astype(out_dtype)
             return y.reshape(*x.shape[:-1], *out_dims)
     elif _native_float32(x, w, rows, n_rows_in, out_dtype):
         y = cpu_matvec.matvec_float32(x.reshape(rows, n_rows_in), w.reshape(n_rows_in, -1))
@@ -93,6 +92,21 @@ def _tiled_here() -> bool:
     """Whether the tiled path runs: on single-device XLA:CPU. GPU/TPU fuse the dequantization into
     the dot's operand read, and on a mesh a scan over a sharded input axis would gather it."""
     return cpu_matvec.single_device_cpu()
+
+
+def native_matrix(w: QuantizedArray, n_in: int) -> tuple[jax.Array, jax.Array, int] | None:
+    """How the native CPU kernels (``kernels.cpu_matvec``, and the decoder layer of
+    ``kernels.cpu_layer``) take ``w``, whose first ``n_in`` axes are its input: (values [In, Out],
+    scale, group), int8 with one scale per column (scale [Out], group 0) or int4 with one per
+    ``group`` inputs of each column (scale [In/group, Out]); None where they do not (another format
+    or layout, or no kernel built on this host)."""
+    n_rows_in = math.prod(w.shape[:n_in])
+    n_out = math.prod(w.shape[n_in:])
+    if _native_int8(w, n_rows_in):
+        return w.values.reshape(n_rows_in, n_out), w.scale.reshape(-1), 0
+    if _native_int4(w, n_rows_in, n_out):
+        return w.values.reshape(n_rows_in, n_out), w.scale.reshape(-1, n_out), w.block[0]
+    return None
 
 
 def _native_int8(w: QuantizedArray, n_in: int) -> bool:

@@ -13,9 +13,9 @@ import pytest
 from dayzero.kernels import cpu_layer, cpu_matvec
 from dayzero.model.cache import InPlaceKVCache, InPlaceLayer, KVCache
 from dayzero.model.config import Family, ModelConfig, RopeConfig
-from dayzero.model.quant import ValueFormat, quantize
+from dayzero.model.quant import QuantConfig, ValueFormat, WeightQuant, quantize
 from dayzero.model.transformer import forward
-from dayzero.model.weights import MoEWeights, abstract_weights, map_specs
+from dayzero.model.weights import MoEWeights, abstract_weights, map_specs, quantize_weights
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
@@ -78,8 +78,10 @@ def _run(config, weights, tokens, cache, num_new):
     return (*step(weights, tokens, cache, num_new), step.lower(weights, tokens, cache, num_new).as_text())
 
 
-def _compare(config, starts, num_new, T, S=64, monkeypatch=None):
+def _compare(config, starts, num_new, T, S=64, monkeypatch=None, quant=WeightQuant.NONE):
     weights = _weights(config)
+    if quant is not WeightQuant.NONE:
+        weights = quantize_weights(weights, abstract_weights(config, QuantConfig(quant)))
     rng = np.random.default_rng(2)
     tokens = jnp.asarray(rng.integers(0, config.vocab_size, (len(starts), T)), jnp.int32)
     num_new = jnp.asarray(num_new, jnp.int32)
@@ -115,8 +117,9 @@ def test_native_layer_equals_the_per_op_layer(native, monkeypatch, changes, star
 
 
 def test_where_it_applies(native):
-    """A plain float32 Llama layer over an in-place cache; not a quantized layer, one with biases,
-    q/k norms or sinks, an MoE layer, bfloat16, or a step that appends its keys afterwards."""
+    """A plain Llama layer over an in-place cache, float32 or with int8 / int4 projections; not fp8
+    or bfloat16 weights, one with biases, q/k norms or sinks, an MoE layer, bfloat16 activations,
+    or a step that appends its keys afterwards."""
     config = _config()
     w = _weights(config).layers[0]
     x = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
@@ -128,7 +131,15 @@ def test_where_it_applies(native):
     assert not cpu_layer.applies(w, x.astype(jnp.bfloat16), layer, cos)
     assert not cpu_layer.applies(w, x, layer, jnp.zeros((1, 1, config.head_dim + 2), jnp.float32))  # R > H
     a = w.attn
-    assert not cpu_layer.applies(w.replace(attn=a.replace(q=quantize(a.q, ValueFormat.INT8, (0,)))), x, layer, cos)
+    assert cpu_layer.applies(w.replace(attn=a.replace(q=quantize(a.q, ValueFormat.INT8, (0,)))), x, layer, cos)
+    assert not cpu_layer.applies(w.replace(attn=a.replace(q=quantize(a.q, ValueFormat.FP8, (0,)))), x, layer, cos)
+    assert not cpu_layer.applies(w.replace(attn=a.replace(q=a.q.astype(jnp.bfloat16))), x, layer, cos)
+    # int4 in groups of 16 rows: 64 outputs are taken, v's 32 too; groups that do not divide the
+    # 32 rows are not
+    assert cpu_layer.applies(w.replace(attn=a.replace(q=quantize(a.q, ValueFormat.INT4, (0,), (16, 1)))), x, layer,
+                             cos)
+    assert not cpu_layer.applies(w.replace(attn=a.replace(q=quantize(a.q, ValueFormat.INT4, (0,), (24, 1)))), x,
+                                 layer, cos)
     assert not cpu_layer.applies(w.replace(attn=a.replace(q_bias=jnp.zeros(a.q.shape[1:]))), x, layer, cos)
     assert not cpu_layer.applies(w.replace(attn=a.replace(k_norm=jnp.ones((config.head_dim,)))), x, layer, cos)
     assert not cpu_layer.applies(w.replace(attn=a.replace(sinks=jnp.zeros((config.num_heads,)))), x, layer, cos)
@@ -137,17 +148,12 @@ def test_where_it_applies(native):
     assert not cpu_layer.applies(w.replace(mlp=moe), x, layer, cos)
 
 
-def test_quantized_weights_take_the_per_op_layer(native):
-    """int8 weights: the step runs (through the quantized products), without the native layer."""
-    config = _config()
-    weights = _weights(config)
-    q = weights.layers[0].attn.q
-    layer0 = weights.layers[0].replace(attn=weights.layers[0].attn.replace(q=quantize(q, ValueFormat.INT8, (0,))))
-    weights = weights.replace(layers=(layer0,) + weights.layers[1:])
-    tokens = jnp.asarray([[3]], jnp.int32)
-    num_new = jnp.ones((1,), jnp.int32)
-    text = _run(config, weights, tokens, _cache(config, [4], 32), num_new)[2]
-    assert text.count(cpu_matvec.TARGET_DECODER_LAYER) == 1  # the second layer only
+# The quantized products as the per-op layer runs them (kernels/cpu_matvec's int8 and int4
+# kernels, the same row passes): sizes that int4-all's groups of 32 divide.
+@pytest.mark.parametrize("quant", [WeightQuant.INT8, WeightQuant.INT4_ALL])
+@pytest.mark.parametrize("starts, num_new, T", [([5, 30], [1, 1], 1), ([12, 40], [3, 2], 3)])
+def test_quantized_native_layer_equals_the_per_op_layer(native, monkeypatch, quant, starts, num_new, T):
+    _compare(_config(hidden_size=64, intermediate_size=96), starts, num_new, T, monkeypatch=monkeypatch, quant=quant)
 
 
 def test_engine_decodes_through_the_native_layer(native, tiny_model, monkeypatch):
