@@ -18,11 +18,11 @@
 //   (k and v written into the cache at starts[b], then read with it);  x1 = x + attn @ wo;
 //   h2 = rms_norm(x1) * mlp_norm;  y = x1 + (silu(h2 @ w_gate) * (h2 @ w_up)) @ w_down
 //
-// (each norm's scale is norm_offset + weight). The products run in cpu_matvec.cc's eight-row passes,
-// each weight split into row ranges that the threads claim, with the small steps between them
-// (norms, RoPE, the gating, the partial sums) as one-item phases: the whole layer is one
-// RunPhases call, handed to the pool's threads once, where the separate calls handed off at every
-// product and XLA ran each small step as its own op.
+// (each norm's scale is norm_offset + weight). The products run in cpu_matvec.cc's eight-row
+// passes, each weight split into row ranges that the threads claim (Split), the small steps
+// between them (norms, RoPE, the cache write, the partial sums) as one-item phases and the gating
+// in slices: the whole layer is one RunPhases call, handed to the pool's threads once, where the
+// separate calls handed off at every product and XLA ran each small step as its own op.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -99,15 +99,15 @@ struct Product {
 };
 
 // Cuts a product's rows into parts that any thread may take: ``workers`` parts of each of
-// kPartSizes sizes, each half the one before (one part where the product is under
-// kMinParallelWeights, fewer sizes where its rows run out), on multiples of kProductRows.
+// kPartSizes sizes, each half the one before (one part on one worker or where the product is
+// under kMinParallelWeights, fewer sizes where its rows run out), on multiples of kProductRows.
 // Why: the threads read at unequal speeds, and with one part each the first to finish waited
 // for the other at the end of every product, 10-20 us a layer each time on SmolLM2 (measured
 // with a cycle counter around the wait); the big parts first keep the rows' streams long, the
 // small ones last even out the finish.
 void Split(Product& p, int64_t workers) {
   p.bounds.assign(1, 0);
-  int64_t sizes = p.K * p.N < kMinParallelWeights ? 0 : kPartSizes;
+  int64_t sizes = workers <= 1 || p.K * p.N < kMinParallelWeights ? 0 : kPartSizes;
   while (sizes > 0 && workers * ((int64_t{1} << sizes) - 1) > p.K / kProductRows) --sizes;
   if (sizes == 0) {
     p.bounds.push_back(p.K);

@@ -126,6 +126,19 @@ def save_and_convert(model, root: Path, tokenizer: bool = False) -> tuple[Path, 
     return hf_dir, dz_dir
 
 
+@pytest.fixture
+def native():
+    """The native CPU kernels' library (``kernels/cpu_matvec.py``: the products, the decode
+    attention, the decoder layer), built and registered. Skipped only on a host without a C++
+    compiler (decode then takes the jnp and XLA paths, which their own tests check); a compiler
+    that fails to build it fails the test."""
+    from dayzero.kernels import cpu_matvec
+
+    if cpu_matvec._compiler() is None:
+        pytest.skip("no C++ compiler (g++ or $CXX): CPU decode takes the jnp and XLA paths here")
+    assert cpu_matvec.available(), f"the native kernels did not build: {cpu_matvec.unavailable_reason()}"
+
+
 @pytest.fixture(scope="session")
 def hf_factory():
     """``build_hf_model`` and ``save_and_convert`` for modules that build their own models."""

@@ -18,14 +18,6 @@ from dayzero.model.transformer import attend, attention_masks
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
 
-@pytest.fixture(scope="module")
-def native():
-    """The kernels' library, built and registered (skipped only without a C++ compiler)."""
-    if cpu_matvec._compiler() is None:
-        pytest.skip("no C++ compiler (g++ or $CXX): decode attention takes the block loop here")
-    assert cpu_matvec.available(), f"the native kernels did not build: {cpu_matvec.unavailable_reason()}"
-
-
 def _float64_stats(qg, keys, values, mask):
     """(m, l, o / l) in float64 for queries [B,K,M,H] over keys [B,K,H,S], values [B,K,S,H] where
     mask [B,T,S] shows them (row r is token r % T); a row that sees nothing: -inf, 0, 0."""

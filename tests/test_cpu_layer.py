@@ -20,14 +20,6 @@ from dayzero.model.weights import MoEWeights, abstract_weights, map_specs, quant
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
 
-@pytest.fixture(scope="module")
-def native():
-    """The kernels' library, built and registered (skipped only without a C++ compiler)."""
-    if cpu_matvec._compiler() is None:
-        pytest.skip("no C++ compiler (g++ or $CXX): decode takes the per-op layer here")
-    assert cpu_matvec.available(), f"the native kernels did not build: {cpu_matvec.unavailable_reason()}"
-
-
 def _config(**changes) -> ModelConfig:
     """Two small Llama layers: 4 query heads over 2 key/value heads of 16, a 48-wide MLP."""
     base = dict(family=Family.LLAMA, vocab_size=40, hidden_size=32, intermediate_size=48, num_layers=2,

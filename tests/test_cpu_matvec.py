@@ -23,16 +23,6 @@ from dayzero.model.quant import ValueFormat, dequantized, quantize
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="a CPU kernel")
 
 
-@pytest.fixture(scope="module")
-def native():
-    """The kernel, built and registered. Skipped only on a host without a C++ compiler (int8 then
-    takes the scan, which tests/test_quant_matmul.py checks); a compiler that fails to build it
-    fails the test."""
-    if cpu_matvec._compiler() is None:
-        pytest.skip("no C++ compiler (g++ or $CXX): int8 decode takes the jnp scan here")
-    assert cpu_matvec.available(), f"the native kernel did not build: {cpu_matvec.unavailable_reason()}"
-
-
 def _weight(shape, n_in, seed=0):
     w = jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
     return quantize(w, ValueFormat.INT8, tuple(range(n_in)))
