@@ -1,6 +1,7 @@
-// What the native CPU kernels' files share: the float32 product's row passes (cpu_matvec.cc) and
-// the in-place decode attention (cpu_attention.cc), which the native decoder layer (cpu_layer.cc)
-// runs as pieces of its own phases rather than as calls of their own.
+// What the native CPU kernels' files share: a vectorizable exp, the products' row passes for
+// float32, int8 and int4 weights (cpu_matvec.cc) and the in-place decode attention
+// (cpu_attention.cc), which the native decoder layer (cpu_layer.cc) runs as pieces of its own
+// phases rather than as calls of their own.
 #ifndef DAYZERO_KERNELS_CPU_KERNELS_H_
 #define DAYZERO_KERNELS_CPU_KERNELS_H_
 

@@ -1,22 +1,23 @@
 """A Llama-family decoder layer's decode step in one native call for XLA:CPU, through the XLA FFI.
 
-Why: a decode step on one CPU device reads each weight once, at the memory bus's rate (float32;
-the quantized products also convert in registers), so everything else is overhead, and it added up: per layer, seven product calls, each handing half
-its rows to XLA's pool and back, the in-place attention call, and a dozen small XLA ops between
-them (two norms, RoPE, the gating, three residual adds), about twenty thunks in all. SmolLM2-135M's
-step on a 2-core AMD EPYC, in one process (NOTES "Measured"): the bare chain of its products 26.6
-ms median against the whole step's 30.2, and llama.cpp's whole step 25.3. ``cpu_layer.cc`` runs
-the layer as one call: the same eight-row product passes and the same in-place attention
-(``kernels.cpu_attention``), cut into phases that the calling thread and the pool's threads work
-through together, handed off once per layer.
+Why: a decode step on one CPU device reads each weight once, at the memory bus's rate (the
+quantized products also convert in registers), so everything else is overhead, and it added up:
+per layer, seven product calls, each handing half its rows to XLA's pool and back, the in-place
+attention call, and a dozen small XLA ops between them (two norms, RoPE, the gating, three
+residual adds), about twenty thunks in all. SmolLM2-135M's step on a 2-core AMD EPYC, in one
+process (NOTES "Measured"): the bare chain of its products 26.6 ms median against the whole
+step's 30.2, and llama.cpp's whole step 25.3. ``cpu_layer.cc`` runs the layer as one call: the
+same eight-row product passes and the same in-place attention (``kernels.cpu_attention``), cut
+into phases that the calling thread and the pool's threads work through together, handed off
+once per layer.
 
 Taken only where :func:`applies`: a ``model.cache.InPlaceLayer`` (a step that writes the float32
 cache in place, ``Engine`` decode and speculative verify on single-device CPU, native kernels
 built), a grouped-query attention layer with no biases, q/k norms, sinks or output gate, a dense
 SwiGLU MLP, each projection float32, int8 with a scale per column or int4 with one per group of
 inputs (as ``kernels.cpu_matvec``'s products take them; fp8 and other layouts are not), no
-hyper-connections. Everything else runs
-``transformer.decoder_layer``'s ops, which are also the reference the tests compare it with.
+hyper-connections. Everything else runs ``transformer.decoder_layer``'s ops, which are also the
+reference the tests compare it with.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def _matrix(w, n_in: int) -> tuple[jax.Array, jax.Array, int] | None:
     """(matrix [In, Out], scale, group) as the native layer takes weight ``w`` (its first ``n_in``
     axes the input): float32 (a placeholder scale, group 0), or int8 / int4 as the native products
     take them (``model.quant_matmul.native_matrix``; int4 with a multiple of 32 columns and whole
-    groups of rows); None
-    for anything else."""
+    groups of rows); None for anything else."""
     from dayzero.model import quant_matmul
     from dayzero.model.quant import QuantizedArray
 

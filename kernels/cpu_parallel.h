@@ -16,46 +16,14 @@
 
 namespace dayzero {
 
-// The state of one ParallelFor call, shared with the pool's tasks: a task that starts after the
-// call returned finds no item left and touches nothing else.
-struct Items {
-  std::function<void(int64_t)> run;
-  int64_t count = 0;
-  std::atomic<int64_t> next{0}, done{0};
-
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < count;) {
-      run(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-// Runs run(i) for every i in [0, count) on at most ``workers`` threads: the caller and up to
-// workers - 1 tasks on ``pool``. The caller claims items too, so it never waits on an item
-// nobody has started: a pool thread busy elsewhere (XLA runs independent thunks on the same
-// pool) cannot deadlock a call. Returns when every item is done.
-inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count, int64_t workers, std::function<void(int64_t)> run) {
-  if (count <= 0) return;
-  workers = std::min<int64_t>({workers, count, std::max<int64_t>(pool.num_threads(), 1)});
-  if (workers <= 1) {
-    for (int64_t i = 0; i < count; ++i) run(i);
-    return;
-  }
-  auto items = std::make_shared<Items>();
-  items->run = std::move(run), items->count = count;
-  for (int64_t t = 1; t < workers; ++t) pool.Schedule([items] { items->Work(); });
-  items->Work();
-  while (items->done.load(std::memory_order_acquire) < count) std::this_thread::yield();
-}
-
 // One stage of RunPhases: ``count`` items, run(i) for each, in any order and on any thread.
 struct Phase {
   int64_t count;
   std::function<void(int64_t)> run;
 };
 
-// The state of one RunPhases call, shared with the pool's tasks as Items is.
+// The state of one RunPhases call, shared with the pool's tasks: a task that starts after the
+// call returned finds every phase done, no item left, and touches nothing else.
 struct PhasedItems {
   std::vector<Phase> phases;
   std::unique_ptr<std::atomic<int64_t>[]> next, done;
@@ -66,13 +34,16 @@ struct PhasedItems {
     for (size_t p = 0; p < phases.size(); ++p) next[p] = 0, done[p] = 0;
   }
 
-  void Work() {
+  // Claims and runs items phase by phase, waiting at the end of each for the others' items; a
+  // pool task (not ``caller``) returns without waiting at the end of the last one, to the pool.
+  void Work(bool caller) {
     for (size_t p = 0; p < phases.size(); ++p) {
       const int64_t count = phases[p].count;
       for (int64_t i; (i = next[p].fetch_add(1, std::memory_order_relaxed)) < count;) {
         phases[p].run(i);
         done[p].fetch_add(1, std::memory_order_release);
       }
+      if (!caller && p + 1 == phases.size()) return;
       while (done[p].load(std::memory_order_acquire) < count) std::this_thread::yield();
     }
   }
@@ -80,14 +51,29 @@ struct PhasedItems {
 
 // Runs ``phases`` in order, every item of one done before any of the next starts, on the caller
 // and up to workers - 1 tasks on ``pool``, which are handed off once for the whole list rather
-// than once per phase. As in ParallelFor the caller claims items too and a task that starts late
-// joins the phase under way (it finds the earlier ones done), so a busy pool cannot deadlock the
-// call: at worst the caller runs every item. Returns when the last phase is done.
+// than once per phase. The caller claims items too, so it never waits on an item nobody has
+// started: a pool thread busy elsewhere (XLA runs independent thunks on the same pool) cannot
+// deadlock a call, and a task that starts late joins the phase under way (it finds the earlier
+// ones done). Returns when the last phase is done.
 inline void RunPhases(xla::ffi::ThreadPool& pool, int64_t workers, std::vector<Phase> phases) {
-  auto items = std::make_shared<PhasedItems>(std::move(phases));
   workers = std::min<int64_t>(workers, std::max<int64_t>(pool.num_threads(), 1));
-  for (int64_t t = 1; t < workers; ++t) pool.Schedule([items] { items->Work(); });
-  items->Work();
+  if (workers <= 1) {
+    for (const Phase& phase : phases)
+      for (int64_t i = 0; i < phase.count; ++i) phase.run(i);
+    return;
+  }
+  auto items = std::make_shared<PhasedItems>(std::move(phases));
+  for (int64_t t = 1; t < workers; ++t) pool.Schedule([items] { items->Work(false); });
+  items->Work(true);
+}
+
+// Runs run(i) for every i in [0, count) on at most ``workers`` threads (the caller among them):
+// RunPhases with one phase.
+inline void ParallelFor(xla::ffi::ThreadPool& pool, int64_t count, int64_t workers, std::function<void(int64_t)> run) {
+  if (count <= 0) return;
+  std::vector<Phase> one;
+  one.push_back({count, std::move(run)});
+  RunPhases(pool, std::min(workers, count), std::move(one));
 }
 
 }  // namespace dayzero

@@ -243,8 +243,8 @@ def decoder_layer(
     adds is its new state.
 
     A decode step over an :class:`~dayzero.model.cache.InPlaceLayer` of a plain Llama-family
-    layer (``kernels.cpu_layer.applies``: single-device CPU, float32) runs the whole layer as one
-    native call instead; these ops are its reference.
+    layer (``kernels.cpu_layer.applies``: single-device CPU, float32 activations, float32, int8 or
+    int4 projections) runs the whole layer as one native call instead; these ops are its reference.
     """
     if frame is None and config.attention is AttentionKind.GQA and cpu_layer.applies(w, x, layer_cache, cos_sin[0]):
         out, new = cpu_layer.decoder_layer(w, x, cos_sin, layer_cache, config.rms_norm_eps, config.norm_weight_offset)

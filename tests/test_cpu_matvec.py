@@ -57,8 +57,8 @@ def _int4_weight(shape, group, seed=0):
 
 
 # SmolLM2's shapes in groups of 32 (q, o, down, the head), the expert groups of 128, a group of
-# 16, and sizes whose columns leave a tail after the 32-column vector steps (N=34, 98) or whose
-# last group is partial (K=72 in groups of 32).
+# 16, and sizes whose columns leave a tail after the 32-column vector steps (N=34, 98; N=48: one
+# 16-column block alone with AVX2) or whose last group is partial (K=72 in groups of 32).
 @pytest.mark.parametrize("shape, group", [((576, 576), 32), ((1536, 576), 32), ((576, 4100), 32),
                                           ((576, 192), 128), ((64, 98), 16), ((72, 34), 32), ((64, 48), 32)])
 @pytest.mark.parametrize("rows", [1, 8])
